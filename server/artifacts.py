@@ -1,0 +1,220 @@
+"""The artifact directory: its layout, the graph spec in `graph.json`, and validation with clear errors.
+
+```
+ARTIFACTS/
+  cfg/             config.json, generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja
+  embed_tokens.pt  [vocab, hidden] table (bf16); embed_tokens.safetensors also accepted
+  sqz_neff.pt      compiled graph (Neuron) - or model.pt, the same contract traced for CPU
+  graph.json       the contract (absent in the published 26B artifacts: defaults below)
+  hf/              optional: a transformers checkpoint for the reference graph
+```
+
+torch is imported lazily: `check` must answer fast inside the container entrypoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.errors import ArtifactError
+
+CFG_DIR = "cfg"
+HF_DIR = "hf"
+GRAPH_JSON = "graph.json"
+EMBED_FILES = ("embed_tokens.pt", "embed_tokens.safetensors")
+GRAPH_FILES = ("sqz_neff.pt", "model.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+CONTRACT = "gemma4-optb/v1"
+# What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
+ALLOW_PATTERNS = ("cfg/*", "embed_tokens.pt", "embed_tokens.safetensors", "sqz_neff.pt", "model.pt", GRAPH_JSON)
+DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
+
+_HOW_TO_GET = (
+    "Get the published artifacts with `python -m server fetch --repo {repo} --dest {dir}`, "
+    "or build a CPU artifact dir with `python -m server export --from CHECKPOINT_OR_GGUF --dest {dir}`."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    """What `graph.json` records. The defaults are those of the published 26B xlarge build (no graph.json)."""
+
+    max_total: int = 512
+    prefill_bucket: int = 128
+    input_dtype: str = "float32"
+    softcap_in_graph: bool = False
+    graph_file: str | None = None
+    tp: int = 2
+    contract: str = CONTRACT
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GraphSpec:
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+        default = cls()
+        spec = cls(
+            max_total=int(data.get("max_total", default.max_total)),
+            prefill_bucket=int(data.get("prefill_bucket", default.prefill_bucket)),
+            input_dtype=str(data.get("input_dtype", default.input_dtype)),
+            softcap_in_graph=bool(data.get("softcap_in_graph", default.softcap_in_graph)),
+            graph_file=data.get("graph_file"),
+            tp=int(data.get("tp", default.tp)),
+            contract=str(data.get("contract", CONTRACT)),
+        )
+        if spec.max_total < 2 or not 1 <= spec.prefill_bucket <= spec.max_total:
+            raise ValueError(f"need 1 <= prefill_bucket <= max_total, got {spec.prefill_bucket}, {spec.max_total}")
+        if spec.input_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"input_dtype must be float32, bfloat16 or float16, got {spec.input_dtype!r}")
+        return spec
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "contract": self.contract,
+            "max_total": self.max_total,
+            "prefill_bucket": self.prefill_bucket,
+            "input_dtype": self.input_dtype,
+            "softcap_in_graph": self.softcap_in_graph,
+            "graph_file": self.graph_file,
+            "tp": self.tp,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactDir:
+    """Paths inside one artifact directory; `validate` proves they are usable."""
+
+    root: Path
+
+    @property
+    def cfg(self) -> Path:
+        return self.root / CFG_DIR
+
+    @property
+    def hf(self) -> Path:
+        return self.root / HF_DIR
+
+    @property
+    def embed_file(self) -> Path | None:
+        return next((self.root / n for n in EMBED_FILES if (self.root / n).is_file()), None)
+
+    @property
+    def graph_file(self) -> Path | None:
+        try:
+            named = self.graph_spec().graph_file
+        except (ValueError, TypeError):  # validate() reports the malformed graph.json itself
+            named = None
+        names = (named, *GRAPH_FILES) if named else GRAPH_FILES
+        return next((self.root / n for n in names if (self.root / n).is_file()), None)
+
+    def graph_spec(self) -> GraphSpec:
+        path = self.root / GRAPH_JSON
+        if not path.is_file():
+            return GraphSpec()
+        return GraphSpec.from_json(json.loads(path.read_text(encoding="utf-8")))
+
+    def resolve_graph(self, kind: str) -> str:
+        """`auto` picks the compiled graph when present, else the transformers reference graph."""
+        if kind != "auto":
+            return kind
+        if self.graph_file is not None:
+            return "jit"
+        if (self.hf / "config.json").is_file():
+            return "hf"
+        return "jit"  # so validate() names the missing compiled graph, the production case
+
+    def model_name(self) -> str:
+        """A default served model name: the checkpoint's `_name_or_path`, else the directory's name."""
+        try:
+            config = json.loads((self.cfg / "config.json").read_text(encoding="utf-8"))
+            name = config.get("_name_or_path") or config.get("_model_name_or_path") or ""
+        except (OSError, ValueError):
+            name = ""
+        name = Path(name).name.strip().replace(" ", "-").lower() if name else ""
+        return name or self.root.resolve().name
+
+
+def validate(root: Path | str, graph: str = "auto", *, deep: bool = True) -> ArtifactDir:
+    """Check the directory for the selected graph kind; raise one `ArtifactError` naming every problem.
+
+    `deep` also opens the embedding table (memory-mapped: milliseconds) to check its shape against the config.
+    """
+    art = ArtifactDir(Path(root))
+    problems: list[str] = []
+    if not art.root.is_dir():
+        raise ArtifactError(
+            f"artifact directory {art.root} does not exist. " + _HOW_TO_GET.format(repo=DEFAULT_REPO, dir=art.root)
+        )
+    kind = art.resolve_graph(graph)
+
+    config: dict[str, Any] | None = None
+    config_path = art.cfg / "config.json"
+    if not config_path.is_file():
+        problems.append(f"{config_path}: missing (the model config, expected in cfg/)")
+    else:
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            if not isinstance(config, dict) or "model_type" not in config:
+                problems.append(f"{config_path}: not a transformers config (no model_type)")
+                config = None
+        except ValueError as exc:
+            problems.append(f"{config_path}: not valid JSON ({exc})")
+    if not any((art.cfg / n).is_file() for n in TOKENIZER_FILES):
+        problems.append(f"{art.cfg}/tokenizer.json: missing (the tokenizer, expected in cfg/)")
+    for optional_json in ("generation_config.json", "tokenizer_config.json"):
+        path = art.cfg / optional_json
+        if path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                problems.append(f"{path}: not valid JSON ({exc})")
+
+    try:
+        spec = art.graph_spec()
+    except (ValueError, TypeError) as exc:
+        problems.append(f"{art.root / GRAPH_JSON}: malformed ({exc})")
+        spec = GraphSpec()
+
+    embed = art.embed_file
+    if embed is None:
+        problems.append(f"{art.root}/embed_tokens.pt: missing (the [vocab, hidden] word-embedding table)")
+    elif deep:
+        problem = _check_embedding(embed, config)
+        if problem:
+            problems.append(problem)
+
+    if kind == "jit" and art.graph_file is None:
+        wanted = spec.graph_file or "sqz_neff.pt (or model.pt)"
+        problems.append(f"{art.root}/{wanted}: missing (the compiled graph, needed by --graph jit)")
+    if kind == "hf":
+        if not (art.hf / "config.json").is_file():
+            problems.append(f"{art.hf}/config.json: missing (the transformers checkpoint, needed by --graph hf)")
+        if not any(art.hf.glob("*.safetensors")) and not (art.hf / "pytorch_model.bin").is_file():
+            problems.append(f"{art.hf}/model.safetensors: missing (the checkpoint weights, needed by --graph hf)")
+
+    if problems:
+        listing = "\n  - ".join(problems)
+        raise ArtifactError(
+            f"artifact directory {art.root} is not usable for --graph {kind}:\n  - {listing}\n"
+            + _HOW_TO_GET.format(repo=DEFAULT_REPO, dir=art.root)
+        )
+    return art
+
+
+def _check_embedding(path: Path, config: dict[str, Any] | None) -> str | None:
+    from server.embedding import open_table  # torch lives there
+
+    try:
+        table = open_table(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to open is a malformed file, named for the user
+        return f"{path}: cannot be read as a [vocab, hidden] tensor ({type(exc).__name__}: {exc})"
+    if table.dim() != 2:
+        return f"{path}: expected a 2-D [vocab, hidden] tensor, got shape {tuple(table.shape)}"
+    if config is not None:
+        text = config.get("text_config") or config
+        vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
+        if vocab and hidden and tuple(table.shape) != (vocab, hidden):
+            return f"{path}: shape {tuple(table.shape)} does not match the config's [vocab, hidden] = [{vocab}, {hidden}]"
+    return None

@@ -1,0 +1,91 @@
+"""`HostEmbedding`: the word-embedding table, memory-mapped on the host, looked up and scaled per step.
+
+The compiled graph starts at the first decoder layer, so the host inherits the job that
+`Gemma4TextScaledWordEmbedding.forward` did inside the model: `embedding(ids) * embed_scale.to(weight.dtype)`.
+Forget the scale (sqrt(hidden) for Gemma) and the model answers with a confident wall of blanks.
+
+The table is never copied into RAM: `torch.load(mmap=True)` / a zero-copy view of a safetensors file keeps
+it in the page cache, so only the rows a prompt touches are ever read.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def open_table(path: Path | str) -> torch.Tensor:
+    """The [vocab, hidden] table of `embed_tokens.pt` (a bare tensor or {"weight": t}) or `.safetensors`, mmapped."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return _open_safetensors(path)
+    obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    if isinstance(obj, dict):
+        if "weight" not in obj or len(obj) != 1 and not isinstance(obj.get("weight"), torch.Tensor):
+            raise ValueError(f"expected a tensor or a {{'weight': tensor}} dict, got keys {sorted(obj)[:5]}")
+        obj = obj["weight"]
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"expected a tensor, got {type(obj).__name__}")
+    return obj
+
+
+def _open_safetensors(path: Path) -> torch.Tensor:
+    """A zero-copy view of the single tensor in a safetensors file (safetensors' own get_tensor copies it)."""
+    with path.open("rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    name = "weight" if "weight" in entries else next(iter(entries)) if len(entries) == 1 else None
+    if name is None:
+        raise ValueError(f"expected one tensor (or one named 'weight'), found {sorted(entries)[:5]}")
+    entry = entries[name]
+    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"unsupported dtype {entry['dtype']}")
+    start, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    count = (end - start) // torch.empty((), dtype=dtype).element_size()
+    # The mmap is read-only; torch warns that the tensor is not writable, which is what we want.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + header_len + start)
+    return flat.view(shape)
+
+
+class HostEmbedding:
+    """rows x scale, computed in the dtype the graph consumes, exactly as the model's own embedding module would."""
+
+    def __init__(self, table: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> None:
+        assert table.dim() == 2, "table must be [vocab, hidden]"
+        self.table = table  # [V, H], memory-mapped
+        self.dtype = dtype or table.dtype
+        # The module keeps the scale as an f32 buffer and casts it to the weight dtype before the multiply
+        # (bf16 rounds sqrt(2816)=53.07 to 53.0); do the same cast to the compute dtype.
+        self.scale = torch.tensor(scale, dtype=torch.float32).to(self.dtype)
+
+    @classmethod
+    def open(cls, path: Path | str, scale: float, dtype: torch.dtype | None = None) -> HostEmbedding:
+        return cls(open_table(path), scale, dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.table.shape[1]
+
+    def lookup(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """ids [T] or [1, T] -> [1, T, H] in the compute dtype."""
+        ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)  # [1, T]
+        rows = torch.nn.functional.embedding(ids_t, self.table)  # [1, T, H] table dtype (gathers only T rows)
+        return rows.to(self.dtype) * self.scale  # [1, T, H]

@@ -1,0 +1,49 @@
+"""The one exception type of the server, and how it maps to OpenAI's error JSON.
+
+Everything a client can cause raises `APIError`; one handler in `api/` turns it into
+`{"error": {"message", "type", "param", "code"}}` with the right status. Internal invariants use `assert`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,  # noqa: A002 - OpenAI's field name
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ArtifactError(Exception):
+    """The artifact directory is incomplete or malformed; the message names every problem."""

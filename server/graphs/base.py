@@ -1,0 +1,32 @@
+"""The one protocol every device-side graph answers, whatever runs it (Neuron, transformers, nothing).
+
+    forward(embeds [1, T, H], positions [1, T]) -> logits [1, T, V]      (T <= prefill_bucket)
+
+The KV cache lives with the graph; slot = absolute position. The engine decides what to (re)compute
+and calls `rewind(n)` first to say "slots >= n are stale"; the graph answers from which position it can
+really continue (a transformers sliding-window ring buffer cannot go back once it has wrapped).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Graph(Protocol):
+    max_total: int  # KV slots: prompt + completion never exceed this
+    prefill_bucket: int  # the most tokens one call takes
+    input_dtype: torch.dtype  # what `embeds` must be
+    vocab_size: int
+    # The final logit soft-cap the host must still apply (None when the graph applies it, or the model has none).
+    host_softcap: float | None
+    name: str
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """embeds [1, T, H], positions [1, T] int64 -> logits [1, T, V] f32 ([1, 1, V] with last_only)."""
+        ...
+
+    def rewind(self, position: int) -> int:
+        """Forget slots >= position; return the position the next forward must start at (<= position)."""
+        ...

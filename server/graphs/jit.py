@@ -1,0 +1,102 @@
+"""The compiled graph: `torch.jit.load` of `sqz_neff.pt` (Neuron) or `model.pt` (the same contract traced on CPU).
+
+The contract (ARCHITECTURE.md), built here from positions so the rest of the server never sees it:
+
+    model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T],
+          onehot f32 [1,1,MAX,T], full_mask f32 [1,1,T,MAX], sliding_mask f32 [1,1,T,MAX]) -> (logits [1,T,V], *kv)
+
+T is exactly BUCKET (prefill) or 1 (decode): ModelBuilder routes by shape and an unknown shape raises,
+so a short prefill chunk is padded here. Pad positions continue past the last real one; their KV writes
+land in slots no real query has seen yet, and later decode steps overwrite them before any query can.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+import torch
+
+from server.artifacts import GraphSpec
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def import_neuron_runtime() -> str | None:
+    """Import what lets TorchScript resolve `neuron.SPMDModel`; must run before `torch.jit.load`."""
+    for module in ("neuronx_distributed.trace.model_builder", "torch_neuronx"):
+        try:
+            importlib.import_module(module)
+            return module
+        except ImportError:
+            continue
+    return None
+
+
+class ContractInputs:
+    """Builds onehot / full_mask / sliding_mask for given positions (shapes of the contract above)."""
+
+    def __init__(self, max_total: int, sliding_window: int | None, dtype: torch.dtype) -> None:
+        self.max_total = max_total
+        self.window = sliding_window or max_total
+        self.dtype = dtype
+        self.slots = torch.arange(max_total)  # [MAX]
+        self.neg = torch.finfo(dtype).min
+
+    def build(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pos = positions[0]  # [T]
+        onehot = (self.slots[:, None] == pos[None, :]).to(self.dtype)  # [MAX, T]; pads beyond MAX write nowhere
+        seen = self.slots[None, :] <= pos[:, None]  # [T, MAX]
+        in_window = self.slots[None, :] > (pos[:, None] - self.window)  # [T, MAX]
+        zero = torch.zeros((), dtype=self.dtype)
+        full = torch.where(seen, zero, self.neg)  # [T, MAX]
+        sliding = torch.where(seen & in_window, zero, self.neg)  # [T, MAX]
+        return onehot[None, None], full[None, None], sliding[None, None]
+
+
+class JitGraph:
+    name = "jit"
+
+    def __init__(
+        self,
+        path: Path | str,
+        spec: GraphSpec,
+        *,
+        vocab_size: int,
+        sliding_window: int | None,
+        final_softcap: float | None,
+        start_rank: int = 0,
+    ) -> None:
+        runtime = import_neuron_runtime()
+        log.info("loading compiled graph %s (neuron runtime: %s)", path, runtime or "none, CPU TorchScript")
+        self.module = torch.jit.load(str(path), map_location="cpu")
+        if hasattr(self.module, "nxd_model"):
+            # Pushes the sharded weights to the NeuronCores; once, before the first call.
+            self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
+        self.max_total = spec.max_total
+        self.prefill_bucket = spec.prefill_bucket
+        self.input_dtype = _DTYPES[spec.input_dtype]
+        self.vocab_size = vocab_size
+        self.host_softcap = None if spec.softcap_in_graph else final_softcap
+        self.inputs = ContractInputs(spec.max_total, sliding_window, self.input_dtype)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
+        assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
+        if t not in (1, self.prefill_bucket):
+            pad = self.prefill_bucket - t
+            embeds = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], dim=1)  # [1, BUCKET, H]
+            tail = positions[0, -1] + 1 + torch.arange(pad)  # continue past the last real position
+            positions = torch.cat([positions, tail[None]], dim=1)  # [1, BUCKET]
+        onehot, full, sliding = self.inputs.build(positions)
+        out = self.module(embeds.to(self.input_dtype), positions.to(torch.int64), onehot, full, sliding)
+        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]
+        logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        return logits.float()
+
+    def rewind(self, position: int) -> int:
+        # One-hot writes address slots by absolute position: stale slots are simply overwritten.
+        return position

@@ -1,0 +1,47 @@
+"""A graph that computes nothing: fixed logits of the configured vocabulary, instantly.
+
+For benchmarks of the host (everything but the device) and for engine tests that need real shapes.
+The logits are a fixed random pattern (seeded), so sampling does real work over a realistic distribution,
+with a chosen token forced on top: by default the tokenizer's 'a' so generations are text, not specials.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NullGraph:
+    name = "null"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        max_total: int = 512,
+        prefill_bucket: int = 128,
+        input_dtype: torch.dtype = torch.float32,
+        host_softcap: float | None = None,
+        favoured_token: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_total = max_total
+        self.prefill_bucket = prefill_bucket
+        self.input_dtype = input_dtype
+        self.host_softcap = host_softcap
+        generator = torch.Generator().manual_seed(seed)
+        logits = torch.randn(vocab_size, generator=generator) * 2.0  # [V]
+        if favoured_token is not None:
+            logits[favoured_token] = logits.max() + 4.0
+        self._logits = logits
+        self.calls = 0  # graph invocations, for prefill-reuse accounting in benchmarks and tests
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        assert embeds.dim() == 3 and positions.shape == embeds.shape[:2], "embeds [1,T,H], positions [1,T]"
+        assert int(positions[0, -1]) < self.max_total, "position beyond max_total"
+        self.calls += 1
+        t = 1 if last_only else embeds.shape[1]
+        return self._logits.view(1, 1, -1).expand(1, t, -1)  # [1, T, V] (a view: no per-call allocation)
+
+    def rewind(self, position: int) -> int:
+        return position

