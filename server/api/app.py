@@ -1,0 +1,150 @@
+"""`create_app(settings, engine, host) -> Starlette`: routes, auth, request ids, metrics, one error handler.
+
+The lifespan starts the engine (which loads the graph on its own thread: `/health` answers `loading`
+meanwhile) and stops it on shutdown. `app.state.drain(grace_s)` is the graceful-shutdown entry point that
+`serve()` calls on SIGTERM (and tests call in-process).
+
+Deliberate choices:
+- Every error, ours (`APIError`) or Starlette's (404 unknown route, 405 wrong method) or a bug (500), goes
+  through `error_response`, so clients always get OpenAI's `{"error": {...}}`.
+- Auth wraps the protected endpoints rather than being a middleware, so a bad key is an `APIError` like any
+  other. `/health` and `/metrics` stay open (load balancers and scrapers carry no key).
+- Middlewares are plain ASGI (not `BaseHTTPMiddleware`), so streams and disconnect detection pass untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.metrics import Metrics, MetricsMiddleware
+from server.api.openai import OpenAIRoutes
+from server.api.service import Service
+from server.config import Settings
+from server.engine import Engine
+from server.errors import APIError
+from server.runtime import Host
+
+log = logging.getLogger("server.api")
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+async def error_response(request: Request, exc: Exception) -> Response:
+    """The one error handler: APIError as is; Starlette's HTTP errors and unexpected exceptions mapped to it."""
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            exc = APIError(404, f"Not found: {request.method} {request.url.path}", code="not_found")
+        elif exc.status_code == 405:
+            exc = APIError(405, f"Method {request.method} is not allowed for {request.url.path}",
+                           code="method_not_allowed", headers=dict(exc.headers or {}))
+        else:
+            exc = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+    elif not isinstance(exc, APIError):
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        exc = APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
+
+
+class RequestIdMiddleware:
+    """Takes the client's `X-Request-Id` (if sane) or makes one; puts it in `request.state` and every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
+    """`Authorization: Bearer KEY` or `X-Api-Key: KEY`, compared in constant time."""
+    if not api_key:
+        return endpoint
+    expected = api_key.encode()
+
+    async def guarded(request: Request) -> Response:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        candidates = [token.strip()] if scheme.lower() == "bearer" else []
+        candidates.append(request.headers.get("x-api-key", ""))
+        if not any(hmac.compare_digest(c.encode(), expected) for c in candidates if c):
+            raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>` or `X-Api-Key`).",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await endpoint(request)
+
+    return guarded
+
+
+def create_app(settings: Settings, engine: Engine, host: Host) -> Starlette:
+    metrics = Metrics(engine)
+    service = Service(settings, engine, host, metrics)
+    api = OpenAIRoutes(service)
+
+    async def health(request: Request) -> Response:
+        state = engine.state
+        body = {"status": state} if state == "ok" else {"status": state, "reason": engine.state_reason or state}
+        return JSONResponse(body, status_code=200 if state == "ok" else 503)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def protected(endpoint: Endpoint) -> Endpoint:
+        return _require_key(settings.api_key, endpoint)
+
+    routes = [
+        Route("/v1/chat/completions", protected(api.chat_completions), methods=["POST"]),
+        Route("/v1/completions", protected(api.completions), methods=["POST"]),
+        Route("/generate", protected(api.generate), methods=["POST"]),
+        Route("/v1/models", protected(api.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", protected(api.model), methods=["GET"]),
+        Route("/tokenize", protected(api.tokenize), methods=["POST"]),
+        Route("/detokenize", protected(api.detokenize), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    known = frozenset(r.path for r in routes if "{" not in r.path)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()  # loads the graph on the device thread; /health says "loading" meanwhile
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(engine.stop)
+
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics, routes=known), Middleware(RequestIdMiddleware)],
+        exception_handlers={APIError: error_response, HTTPException: error_response, Exception: error_response},
+        lifespan=lifespan,
+    )
+    app.state.drain = service.drain
+    app.state.service = service
+    return app

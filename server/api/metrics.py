@@ -1,0 +1,93 @@
+"""Prometheus metrics, one `CollectorRegistry` per app (tests build several apps in one process).
+
+Request counts come from `MetricsMiddleware` (every route, every status, including 404s and auth failures);
+token counts and latencies come from the engine's `Finish` events, the inter-token gaps from the arrival of
+`Delta` events on the event loop. Queue depth and running are read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.engine import Engine, Finish
+
+PREFIX = "gemma4"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.errors = Counter(f"{PREFIX}_errors", "Errors by status code (HTTP and in-band stream errors)",
+                              ["status"], registry=r)
+        self.finished = Counter(f"{PREFIX}_requests_finished", "Generation requests by finish reason", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
+        self.prefix_hit_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens",
+                                         "Prompt tokens reused from the device KV cache", registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Submission to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Gap between consecutive tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Submission to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "Submission to start on the device",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the device", registry=r).set_function(
+            lambda: engine.queue_depth)
+        Gauge(f"{PREFIX}_requests_running", "Requests on the device (0 or 1)", registry=r).set_function(
+            lambda: engine.running)
+
+    def observe_finish(self, finish: Finish) -> None:
+        self.finished.labels(finish.reason).inc()
+        self.prompt_tokens.inc(finish.prompt_tokens)
+        self.generation_tokens.inc(finish.completion_tokens)
+        self.prefix_hit_tokens.inc(finish.reused_tokens)
+        self.e2e.observe(finish.total_s)
+        self.queue_wait.observe(finish.queue_wait_s)
+        if finish.ttft_s is not None:
+            self.ttft.observe(finish.ttft_s)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+        if status >= 400:
+            self.errors.labels(str(status)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route (known paths only, else "other": bounded labels) and final status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Container[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the server answers if the app raises before starting a response
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.metrics.observe_request(path if path in self.routes else "other", status)

@@ -1,0 +1,202 @@
+"""Request bodies of the HTTP routes as pydantic models, and `parse()`, which maps every failure to one 400.
+
+Deliberate choices (do not "fix" these without reading why):
+- Unknown fields are ignored: clients send vendor extras (`user`, `suffix`, `chat_template_kwargs`, ...).
+- NaN and +-inf are rejected everywhere (`allow_inf_nan=False`), by the JSON parser as well as the fields.
+- Range checks sit on the fields, so pydantic names the field and `parse` turns that into OpenAI's `param`.
+- Shapes that OpenAI lets vary (`stop`, `prompt`, message `content`) are normalised by "before" validators into
+  one type, so a wrong value gives one clear message instead of a union's error for every member.
+- Explicit nulls mean "unset" (some clients send `"temperature": null`).
+- Nothing here knows the model: vocabulary and context checks happen in the routes, against the host.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from server.errors import APIError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOPS = 4
+
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | None = None  # text parts are joined with "\n" (as vLLM does); anything else is a 400
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts: list[str] = []
+        for index, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"text-only model: content part {index} has type {kind!r}; only 'text' parts are "
+                                 "supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"content part {index}: 'text' must be a string")
+            texts.append(text)
+        return "\n".join(texts)
+
+
+class _Sampling(_Body):
+    """The fields shared by chat and legacy completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: tuple[str, ...] = ()
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, Bias] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError("must be -1 or 0 (off) or >= 1")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only n=1 is supported (batch size 1)")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, value: Any) -> Any:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
+        if len(value) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(value)}")
+        if not all(value):
+            raise ValueError("stop sequences must not be empty")
+        return tuple(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]  # a list of one string is unwrapped; a list of token ids is taken as is
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request (batch size 1), got {len(value)}")
+            return value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        if not isinstance(value, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+            raise ValueError("must be a string, a list of one string, or a list of token ids")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+
+class GenerateRequest(_Body):
+    """The seed server's route: chat-templated, greedy."""
+
+    prompt: str
+    max_new_tokens: int = Field(128, ge=1)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or None
+
+
+def parse(model: type[Body], raw: bytes) -> Body:
+    """Validate a raw JSON body; any problem (bad UTF-8, bad JSON, bad field) is an APIError 400."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        if error["type"] == "json_invalid":
+            raise APIError(400, f"The body is not valid JSON: {error['msg']}", code="invalid_json") from None
+        if error["type"] == "model_type" and not error["loc"]:
+            raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
+        param = _param(tuple(error["loc"]))
+        message = error["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param,
+                       code="invalid_value") from None

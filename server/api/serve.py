@@ -1,0 +1,84 @@
+"""`serve(settings) -> int`: load the host side, build the engine and the app, run uvicorn until SIGTERM.
+
+SIGTERM (or Ctrl+C) drains instead of stopping at once: `/health` turns 503 "draining" (the load balancer
+stops sending), new requests get 503, requests in flight run to completion for up to `shutdown_grace_s`, the
+rest are cancelled, then uvicorn stops and we exit 0. A second signal stops at once.
+
+Deliberate choices:
+- `DrainingServer.handle_exit` replaces uvicorn's: uvicorn's records the signal and re-raises it after
+  shutdown (so the process would die *by* SIGTERM, exit status 143, not 0), and stops at once.
+- uvicorn's own access log is off: the API logs one line per generation request with its token counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+
+from server.config import Settings
+from server.errors import ArtifactError
+
+log = logging.getLogger("server.api")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], Awaitable[bool]], grace_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self.grace_s = grace_s
+        self.drained: bool | None = None  # None: no drain happened; else whether it finished in time
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None:
+            log.warning("signal %d again: stopping now", sig)
+            self.should_exit = self.force_exit = True
+            return
+        log.info("signal %d: draining for up to %g s, then stopping", sig, self.grace_s)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        try:
+            self.drained = await self._drain(self.grace_s)
+        finally:
+            self.should_exit = True
+
+
+def serve(settings: Settings) -> int:
+    from server.api.app import create_app
+    from server.runtime import build_engine, load_host
+
+    try:
+        host = load_host(settings.artifacts, settings.graph, settings.served_model_name)
+    except ArtifactError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    engine = build_engine(host, settings)
+    app = create_app(settings, engine, host)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level.lower(), access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=5, server_header=False)
+    server = DrainingServer(config, app.state.drain, settings.shutdown_grace_s)
+    log.info("serving %s (%s graph) on http://%s:%d", host.model_name, host.graph_kind, settings.host, settings.port)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        return exc.code if isinstance(exc.code, int) else 1
+    if server.drained is False:
+        log.warning("some requests were cancelled at shutdown")
+    return 0

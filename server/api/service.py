@@ -1,0 +1,185 @@
+"""What the routes drive: the engine, the host's tokenizer and limits, the metrics, and the requests in flight.
+
+Everything model-specific comes from the host (tokenizer with its chat template, vocabulary size, context size,
+generation defaults); nothing here branches on the model type or touches a tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+from starlette.requests import Request
+
+from server.api.metrics import Metrics
+from server.api.schemas import Message
+from server.config import Settings
+from server.engine import Delta, Engine, Event, Finish, GenerationRequest, RequestHandle
+from server.errors import APIError
+from server.runtime import Host
+
+log = logging.getLogger("server.api")
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: the token *is* one raw byte
+
+
+class ClientGone(Exception):
+    """The client disconnected while its non-streaming request was waiting; the request was cancelled."""
+
+
+class Service:
+    def __init__(self, settings: Settings, engine: Engine, host: Host, metrics: Metrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.host = host
+        self.tokenizer: Any = host.tokenizer
+        self.metrics = metrics
+        self.model_name = host.model_name
+        self.max_total = host.max_total
+        self.vocab_size = host.structure.vocab_size
+        self.created = int(time.time())
+        self.inflight: set[RequestHandle] = set()
+        self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
+
+    # ----------------------------------------------------------------- validation helpers
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        return self.model_name
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                           param=param, code="invalid_value")
+
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                 add_special_tokens: bool = False) -> list[int]:
+        """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
+        special tokens again: the template writes BOS itself."""
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+                        for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except TemplateError as exc:
+            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
+                           code="invalid_value") from None
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
+        """Tokens the completion may have: the request's limit, capped by what the context leaves."""
+        room = self.max_total - prompt_tokens
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.max_total} tokens and at least one "
+                           f"must remain for the completion, but the prompt has {prompt_tokens} tokens.",
+                           param=param, code="context_length_exceeded")
+        return room if requested is None else min(requested, room)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids)))
+
+    def _token_info(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text as OpenAI's logprobs show it, and its bytes (the raw byte for byte-fallback tokens)."""
+        text = str(self.tokenizer.decode([token_id]))
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
+        return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
+
+    # ----------------------------------------------------------------- running requests
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        handle = self.engine.submit(request)  # raises 503 (not ready / draining) or 429 (queue full)
+        self.inflight.add(handle)
+        return handle
+
+    async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
+        """The engine's events, with the metrics and the one log line per request; cancels on early exit."""
+        last: float | None = None
+        try:
+            async for event in handle.events():
+                if isinstance(event, Delta) and event.token_id is not None:
+                    now = time.monotonic()
+                    if last is not None:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                elif isinstance(event, Finish):
+                    self._finished(handle, event)
+                yield event
+        finally:
+            handle.cancel()  # a no-op once finished; frees the device when the caller stopped listening
+            self.inflight.discard(handle)
+
+    def _finished(self, handle: RequestHandle, finish: Finish) -> None:
+        self.metrics.observe_finish(finish)
+        decode_s = finish.total_s - (finish.ttft_s or finish.total_s)
+        rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else 0.0
+        ttft = f"{finish.ttft_s:.3f}s" if finish.ttft_s is not None else "-"
+        log.info("%s: prompt=%d reused=%d completion=%d ttft=%s tok/s=%.1f queue=%.3fs total=%.3fs finish=%s%s%s",
+                 handle.request.request_id, finish.prompt_tokens, finish.reused_tokens, finish.completion_tokens,
+                 ttft, rate, finish.queue_wait_s, finish.total_s, finish.reason,
+                 " (wall-clock limit)" if finish.timed_out else "", f" error={finish.error}" if finish.error else "")
+
+    async def collect(self, request: Request, handle: RequestHandle) -> tuple[str, list[Delta], Finish]:
+        """Run a non-streaming request to its end, cancelling it at once if the client disconnects meanwhile."""
+
+        async def consume() -> tuple[str, list[Delta], Finish]:
+            deltas: list[Delta] = []
+            async for event in self.events(handle):
+                if isinstance(event, Finish):
+                    return "".join(d.text for d in deltas), deltas, event
+                deltas.append(event)
+            raise AssertionError("the engine ends every request with a Finish")
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                handle.cancel()
+                consumer.cancel()
+        if not consumer.done() or consumer.cancelled():
+            raise ClientGone
+        return consumer.result()
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop admitting (health says draining, new requests 503); let in-flight requests finish for up to
+        `grace_s`, then cancel the rest. True when the engine went idle."""
+        self.engine.drain()
+        log.info("draining: %d request(s) in flight, up to %g s", self.engine.admitted, grace_s)
+        if await self.engine.wait_idle(grace_s):
+            return True
+        log.warning("cancelling %d request(s) still in flight after %g s", len(self.inflight), grace_s)
+        for handle in list(self.inflight):
+            handle.cancel()
+        return await self.engine.wait_idle(5.0)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. The body is fully read by now, so the next ASGI message the server
+    delivers is `http.disconnect` (on a client disconnect, or once the response is complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def finish_error(finish: Finish) -> APIError | None:
+    """The error a finish reason means for the client, if any ("stop" and "length" are answers)."""
+    if finish.reason == "error":
+        return APIError(500, f"Generation failed: {finish.error or 'unknown error'}", code="generation_error")
+    if finish.reason == "cancelled":
+        return APIError(503, "The request was cancelled: the server is shutting down.", code="cancelled",
+                        headers={"Retry-After": "5"})
+    return None

@@ -1,0 +1,148 @@
+"""Shared pieces of the API tests: the demo host (loaded once per session), engines, and live servers.
+
+- `null_host()`: the exported Gemma-3 270M artifact dir with the null graph (real tokenizer and chat template,
+  instant fixed logits favouring "▁a"); `hf_host()`: the same host running the real 270M on CPU.
+- `SlowGraph`: a stand-in *device* (not our code): the null graph behind a per-call delay, optionally failing
+  after N calls, so streams are slow enough to disconnect from, ping on, or fill the queue with.
+- `LiveServer`: the real app under uvicorn on 127.0.0.1 (port 0) in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+import uvicorn
+
+from server.api.app import create_app
+from server.config import Settings
+from server.engine import Engine
+from server.graphs.base import Graph
+from server.runtime import Host, graph_loader, load_host
+from tests.models import demo_dir
+
+T = TypeVar("T")
+API_KEY = "sk-test-key"
+
+
+@functools.cache
+def null_host() -> Host:
+    return load_host(demo_dir(), "null", "gemma-test")
+
+
+@functools.cache
+def hf_host() -> Host:
+    return dataclasses.replace(null_host(), graph_kind="hf")
+
+
+def settings(**overrides: Any) -> Settings:
+    base = Settings(artifacts=demo_dir(), graph="null", host="127.0.0.1", port=0, served_model_name="gemma-test")
+    return replace(base, **overrides)
+
+
+class SlowGraph:
+    """The null graph (or any graph) with `delay_s` per call; raises after `fail_after` calls if set."""
+
+    def __init__(self, inner: Graph, delay_s: float, fail_after: int | None = None) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.fail_after = fail_after
+        self.max_total = inner.max_total
+        self.prefill_bucket = inner.prefill_bucket
+        self.input_dtype = inner.input_dtype
+        self.vocab_size = inner.vocab_size
+        self.host_softcap = inner.host_softcap
+        self.name = f"slow-{inner.name}"
+        self.calls = 0
+        self.call_starts: list[float] = []  # time.monotonic() at the start of each call
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        self.calls += 1
+        self.call_starts.append(time.monotonic())
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("simulated device fault")
+        time.sleep(self.delay_s)
+        return self.inner.forward(embeds, positions, last_only=last_only)
+
+    def rewind(self, position: int) -> int:
+        return self.inner.rewind(position)
+
+
+def make_engine(host: Host, config: Settings, load: Callable[[], Graph] | None = None) -> Engine:
+    """Like runtime.build_engine, with an optional graph loader of the test's own."""
+    return Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, load or graph_loader(host),
+                  max_queue=config.max_queue, request_timeout_s=config.request_timeout_s,
+                  step_timeout_s=config.step_timeout_s)
+
+
+def slow_loader(host: Host, delay_s: float, fail_after: int | None = None) -> tuple[Callable[[], Graph], list[SlowGraph]]:
+    """A loader of a SlowGraph around the host's own graph; the list receives the graph once loaded."""
+    made: list[SlowGraph] = []
+
+    def load() -> Graph:
+        graph = SlowGraph(graph_loader(host)(), delay_s, fail_after)
+        made.append(graph)
+        return graph
+
+    return load, made
+
+
+class LiveServer:
+    def __init__(self, config: Settings, engine: Engine, host: Host) -> None:
+        self.settings = config
+        self.engine = engine
+        self.host = host
+        self.app = create_app(config, engine, host)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self.url = ""
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, wait_ready: bool = True) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        listener = self.server.servers[0]
+        self.loop = listener.get_loop()
+        self.url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+        if wait_ready:
+            self.wait_state("ok")
+        return self
+
+    def wait_state(self, state: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.engine.state != state:
+            assert time.monotonic() < deadline, f"engine stuck in {self.engine.state}: {self.engine.state_reason}"
+            time.sleep(0.01)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run a coroutine on the server's event loop (e.g. the app's drain)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+@contextmanager
+def live_server(config: Settings, engine: Engine | None = None, host: Host | None = None,
+                wait_ready: bool = True) -> Iterator[LiveServer]:
+    host = host or null_host()
+    server = LiveServer(config, engine or make_engine(host, config), host).start(wait_ready)
+    try:
+        yield server
+    finally:
+        server.stop()
