@@ -136,6 +136,7 @@ class Engine:
         max_queue: int = 16,
         request_timeout_s: float = 600.0,
         step_timeout_s: float = 120.0,
+        prefix_reuse: bool = True,
     ) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
@@ -145,6 +146,7 @@ class Engine:
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.prefix_reuse = prefix_reuse  # off only to measure what it saves
 
         self.state = "loading"  # loading | ok | error | draining
         self.state_reason = ""
@@ -315,7 +317,7 @@ class Engine:
         # Prefix reuse: keep what the cache already holds of this prompt, but always recompute the
         # last prompt token: its logits are what the first sampled token comes from.
         common = 0
-        for cached, wanted in zip(self._cached, ids[:-1], strict=False):
+        for cached, wanted in zip(self._cached if self.prefix_reuse else (), ids[:-1], strict=False):
             if cached != wanted:
                 break
             common += 1

@@ -1,0 +1,270 @@
+"""`python -m server bench`: what the host costs per token, at the real 26B shapes, with the device taken away.
+
+The `null` graph answers instantly, so everything measured here is pure host overhead: embedding lookup,
+contract tensors, soft-cap, sampling over 262,144 logits, detokenizing, stop matching, SSE framing, HTTP.
+A real-size (1.48 GB, bf16) embedding table is created once and memory-mapped; the tokenizer is the real
+262k Gemma tokenizer from the demo package. Prints a table and one JSON object (also written with --json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB, HIDDEN, MAX_TOTAL, BUCKET = 262_144, 2816, 512, 128
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+
+# The Gemma-4 26B-A4B text config (facts of the published build); only its shapes matter here.
+CONFIG_26B: dict[str, Any] = {
+    "model_type": "gemma4_text",
+    "architectures": ["Gemma4ForCausalLM"],
+    "_name_or_path": "gemma-4-26B-A4B-it-bench",
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 2112,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": 2,
+    "sliding_window": 1024,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    "enable_moe_block": True,
+    "num_experts": 128,
+    "top_k_experts": 8,
+    "moe_intermediate_size": 704,
+    "attention_k_eq_v": True,
+    "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+}
+
+
+def bench_artifacts(cache_root: Path) -> Path:
+    """cfg/ (26B config + the real tokenizer), a real-size random bf16 table, graph.json. Built once."""
+    from server.demo import demo_artifacts
+
+    root = cache_root / "bench-26b-shapes"
+    if (root / "graph.json").is_file():
+        return root
+    tokenizer_cfg = demo_artifacts(cache_root) / "cfg"
+    staging = root.with_name(root.name + ".partial")
+    (staging / "cfg").mkdir(parents=True, exist_ok=True)
+    for item in tokenizer_cfg.iterdir():
+        if item.name.startswith("tokenizer") or item.name == "chat_template.jinja":
+            (staging / "cfg" / item.name).write_bytes(item.read_bytes())
+    (staging / "cfg" / "config.json").write_text(json.dumps(CONFIG_26B, indent=2))
+    (staging / "cfg" / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0, "do_sample": True, **DEFAULT_SAMPLING}))
+    generator = torch.Generator().manual_seed(0)
+    table = torch.empty(VOCAB, HIDDEN, dtype=torch.bfloat16)  # [V, H] 1.48 GB, filled in slices to bound RAM
+    for start in range(0, VOCAB, 16_384):
+        table[start : start + 16_384] = torch.randn(16_384, HIDDEN, generator=generator).mul_(0.02).to(torch.bfloat16)
+    torch.save(table, staging / "embed_tokens.pt")
+    del table
+    (staging / "graph.json").write_text(json.dumps({"contract": "gemma4-optb/v1", "max_total": MAX_TOTAL,
+                                                    "prefill_bucket": BUCKET, "input_dtype": "float32",
+                                                    "softcap_in_graph": False, "tp": 2}))
+    staging.rename(root)
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def measure_sampling(repeats: int = 200) -> dict[str, float]:
+    from server.sampling import Sampler, SamplingParams, full_sort_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(VOCAB, generator=generator) * 3.0  # [V]
+    results: dict[str, float] = {}
+    cases = {
+        "sampling_ms_greedy": SamplingParams(temperature=0.0),
+        "sampling_ms_default": SamplingParams(**DEFAULT_SAMPLING, seed=0),
+        "sampling_ms_default_logprobs": SamplingParams(**DEFAULT_SAMPLING, seed=0, logprobs=True, top_logprobs=5),
+    }
+    for name, params in cases.items():
+        sampler = Sampler(params, VOCAB, [2, 3, 4], 30.0)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sampler.sample(logits)
+            times.append((time.perf_counter() - start) * 1000)
+        results[name] = statistics.median(times)
+    params = SamplingParams(**DEFAULT_SAMPLING)
+    rng = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(max(10, repeats // 10)):
+        start = time.perf_counter()
+        full_sort_top_p(logits, params, rng)
+        times.append((time.perf_counter() - start) * 1000)
+    results["sampling_ms_full_sort_top_p"] = statistics.median(times)
+    results["sampling_speedup_vs_full_sort"] = results["sampling_ms_full_sort_top_p"] / results["sampling_ms_default"]
+    return results
+
+
+def measure_prefix_reuse(root: Path) -> dict[str, float]:
+    """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
+    from server.engine import Delta, Engine, GenerationRequest
+    from server.graphs.null import NullGraph
+    from server.runtime import load_host
+    from server.sampling import SamplingParams
+
+    host = load_host(root, "null")
+    results: dict[str, float] = {}
+    for reuse in (True, False):
+        graph = NullGraph(VOCAB, max_total=MAX_TOTAL, prefill_bucket=BUCKET, host_softcap=30.0,
+                          favoured_token=host.tokenizer.get_vocab().get("▁a"))
+        engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, lambda g=graph: g,
+                        prefix_reuse=reuse)
+        engine.start()
+        while engine.state == "loading":
+            time.sleep(0.01)
+        messages: list[dict[str, str]] = []
+        questions = ["Tell me about the Inferentia2 chip in a few sentences, please. " * 4,
+                     "And how does its memory compare with a GPU of the same price class?",
+                     "Summarise both answers in one line."]
+        for turn, question in enumerate(questions, 1):
+            messages.append({"role": "user", "content": question})
+            text = host.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompt = host.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has the BOS
+
+            async def go(ids: list[int] = prompt, engine: Engine = engine) -> tuple[str, Any]:
+                handle = engine.submit(GenerationRequest(tuple(ids), 40, SamplingParams(temperature=0.0)))
+                text = ""
+                async for event in handle.events():
+                    if isinstance(event, Delta):
+                        text += event.text
+                    else:
+                        return text, event
+                raise AssertionError("no finish")
+
+            text, finish = asyncio.run(go())
+            messages.append({"role": "assistant", "content": text})
+            if turn == 3:
+                key = "prefill_calls_turn3" if reuse else "prefill_calls_turn3_no_reuse"
+                results[key] = finish.prefill_calls
+                if reuse:
+                    results["turn3_prompt_tokens"] = finish.prompt_tokens
+                    results["turn3_reused_tokens"] = finish.reused_tokens
+                    results["turn3_expected_calls"] = math.ceil((finish.prompt_tokens - finish.reused_tokens) / BUCKET)
+        engine.stop()
+    return results
+
+
+def measure_server(root: Path, tokens: int) -> dict[str, float]:
+    """Start `python -m server serve --graph null` as users do; time ready, RSS, per-token and TTFT overhead."""
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null",
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    results: dict[str, float] = {}
+    try:
+        with httpx.Client(timeout=60) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+                try:
+                    if client.get(f"{base}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.02)
+            results["ready_s_without_graph"] = time.monotonic() - started
+            results["rss_mb_ready"] = _rss_mb(proc.pid)
+
+            words = "the quick brown fox jumps over the lazy dog " * 20
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(root / "cfg")
+            ids = tokenizer(words, add_special_tokens=False)["input_ids"][:110]
+            prompt_120 = tokenizer.decode(ids)
+
+            def stream(sampling: dict[str, float], content: str, max_tokens: int) -> tuple[float, list[float]]:
+                body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                        "stream": True, **sampling}
+                sent = time.perf_counter()
+                arrivals: list[float] = []
+                with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                            arrivals.append(time.perf_counter())
+                gaps = [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+                return (arrivals[0] - sent) * 1000 if arrivals else float("nan"), gaps
+
+            stream(DEFAULT_SAMPLING, "warm up", 16)
+            for label, sampling in (("", DEFAULT_SAMPLING), ("_greedy", {"temperature": 0.0})):
+                gaps: list[float] = []
+                for _ in range(3):
+                    gaps += stream(sampling, "Write a long story.", tokens)[1]
+                results[f"host_overhead_ms_per_token_p50{label}"] = statistics.median(gaps)
+                results[f"host_overhead_ms_per_token_p99{label}"] = _percentile(gaps, 99)
+            ttfts = [stream(DEFAULT_SAMPLING, prompt_120, 1)[0] for _ in range(20)]
+            results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
+            results["ttft_prompt_tokens"] = len(ids)
+            results["rss_mb_after_streams"] = _rss_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return results
+
+
+def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 200) -> int:
+    root = bench_artifacts(cache_root)
+    results: dict[str, float] = {"vocab": VOCAB, "hidden": HIDDEN, "max_total": MAX_TOTAL, "bucket": BUCKET,
+                                 "threads": torch.get_num_threads()}
+    results.update(measure_sampling())
+    results.update(measure_prefix_reuse(root))
+    results.update(measure_server(root, tokens))
+    width = max(len(k) for k in results)
+    print(f"{'metric':<{width}}  value")
+    for key, value in results.items():
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
+    print(line)
+    if json_path is not None:
+        json_path.write_text(line + "\n", encoding="utf-8")
+    return 0
