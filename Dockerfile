@@ -1,0 +1,55 @@
+# The serving image: Gemma-4 26B-A4B on one inf2.xlarge (2 NeuronCores, 16 GB host RAM).
+#
+#   docker build -t gemma4-optb .
+#   docker run --device=/dev/neuron0 -p 8080:8080 -v gemma4-data:/data --stop-timeout 40 gemma4-optb
+#
+# The first start fetches the artifacts into the /data volume (see entrypoint.sh); later starts reuse them.
+#
+# The base is the exact Neuron stack the published 26B graph was compiled with (torch 2.9, NxD 0.19,
+# SDK 2.31.1): a compiled graph only loads on the runtime and torch-neuronx it was built against.
+FROM public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04
+
+# bash with pipefail, so a failing `pip freeze` inside a pipe fails the build instead of yielding empty pins.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# Only requirements.txt goes on top of the image, and it must not move the Neuron stack: requirements.txt
+# lists no torch, and the constraints pin what the image ships (torch, torch-neuronx, NxD, the compiler),
+# so a dependency asking for another torch fails the build here instead of silently breaking the graph load.
+COPY requirements.txt /app/requirements.txt
+RUN pip list --format=freeze | grep -iE '^(torch|torch[-_]neuronx|torchvision|neuronx[-_]cc|neuronx[-_]distributed|neuronx[-_]distributed[-_]inference|libneuronxla)==' \
+        > /tmp/neuron-stack.txt \
+ && grep -iq '^torch==' /tmp/neuron-stack.txt \
+ && pip install -c /tmp/neuron-stack.txt -r /app/requirements.txt \
+ && pip list --format=freeze | grep -iE '^torch==' | cmp - <(grep -iE '^torch==' /tmp/neuron-stack.txt) \
+ && rm -f /tmp/neuron-stack.txt
+
+COPY server/ /app/server/
+COPY entrypoint.sh /app/entrypoint.sh
+RUN chmod 0755 /app/entrypoint.sh
+
+# Both NeuronCores: the graph is compiled for tensor parallelism 2.
+ENV NEURON_RT_VISIBLE_CORES=0,1 \
+    HOST=0.0.0.0 \
+    PORT=8080 \
+    ARTIFACTS_DIR=/data
+
+EXPOSE 8080
+VOLUME /data
+
+# start-period: the first start may download the artifacts (tens of GB: at an EBS gp3 volume's baseline
+# 125 MB/s, ~27 GB take ~4 min to write and as long again to verify; a slower link or a 50 GB repo, 15+ min)
+# and then loads the graph (~112 s, longer while it swaps). 30 min covers that with margin; failures inside
+# it do not count, and the first success ends it, so a normal restart is reported healthy within 30 s.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --retries=3 \
+    CMD curl -fsS --max-time 8 "http://127.0.0.1:${PORT:-8080}/health" > /dev/null || exit 1
+
+# Our entrypoint, not the base image's (TorchServe's launcher); CMD reset so nothing of the base's is passed.
+ENTRYPOINT ["/app/entrypoint.sh"]
+CMD []
