@@ -1,0 +1,419 @@
+"""Choosing the next token from one row of logits, cheaply, on the host CPU.
+
+The graph hands back raw logits over Gemma's 262,144-token vocabulary; the host has two cores, so each
+token's sampling cost matters. Order of operations (each step sees the previous step's output):
+
+    1. logit_bias                      added to the raw logits of the named tokens
+    2. repetition penalty              HF/vLLM: divide positive / multiply negative logits of tokens seen in
+                                       prompt + output (once per distinct token)
+       presence/frequency penalties    OpenAI: subtract presence + frequency * count, output tokens only
+    3. greedy (temperature 0)          argmax here; the soft-cap is monotonic, so it cannot change the answer
+    4. top-k                           exact, before any sort (see `topk`)
+    5. soft-cap                        cap * tanh(x / cap), applied to the candidates only (monotonic)
+    6. temperature                     divide
+    7. min-p                           keep p >= min_p * p_max
+    8. top-p                           keep the smallest best-first prefix whose mass reaches top_p
+                                       (renormalised over the survivors of 4 and 7, as HF and vLLM do)
+    9. draw                            inverse CDF: one uniform from the request's own torch.Generator
+                                       (seeded => reproducible), searched in the kept prefix sums
+
+logprobs are vLLM's default "raw" ones: log-softmax over the whole vocabulary of the logits after steps 1,
+2 and 5 (bias, penalties, soft-cap), before temperature and truncation.
+
+Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these without measuring):
+- No full-vocabulary sort on the usual path. `torch.topk(x, 64)` costs ~1 ms and `torch.argmax` ~0.5 ms,
+  while a streaming max over 64-wide blocks costs ~0.04 ms; `topk`/`argmax` below use the block maxima.
+- The caller's logits are never modified (a graph may hand back the same buffer every step). Bias and
+  penalties write into a per-request scratch row, so no call allocates more than one vocabulary-sized tensor.
+- Penalties touch only the seen token ids (index ops over distinct ids kept as tensors).
+- top-k off with top-p/min-p: probe the best 64, 512, ... tokens until the kept set provably fits; only a
+  near-flat distribution falls back to the full sort.
+- Torch's intra-op threads: with 2 threads these ops stall for milliseconds whenever the other core is busy
+  (thread-pool hand-off); single-threaded they are steady. That is process-wide policy, left to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+# Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
+_GREEDY_EPS = 1e-5
+# Block widths of the two-stage top-k / argmax: the fastest on this host at V=262144 (report in the module docs).
+_TOPK_BLOCK = 64
+_ARGMAX_BLOCK = 256
+# First candidate count when top-k is off but top-p/min-p still truncate; grows 8x until the kept set fits.
+_FIRST_PROBE = 64
+_LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 => greedy
+    top_k: int = 0  # 0 (or -1) => off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/vLLM: divide positive / multiply negative logits of seen tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float | None  # when params.logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first, len = params.top_logprobs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure primitives on a 1-D logits row
+
+
+def topk(x: torch.Tensor, k: int, block: int = _TOPK_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of a 1-D tensor: (values best first, indices), without torch.topk over all of it.
+
+    The k blocks with the largest maxima hold the k largest values: an element outside them is <= its block's
+    maximum <= the k-th largest block maximum, and those k blocks already hold k elements at least that large.
+    So: one streaming pass for block maxima, a top-k over V/block maxima, a top-k over k*block gathered values.
+    Values equal torch.topk's exactly; among equal values the indices may differ.
+    """
+    n = x.numel()
+    if n % block or n // block < 4 * k or not x.is_contiguous():
+        return torch.topk(x, k)  # small or odd-sized rows: the direct route is as fast
+    blocks = x.view(-1, block)  # (V/B, B)
+    top_blocks = torch.topk(blocks.amax(1), k, sorted=False).indices  # (k,)
+    values, pos = torch.topk(blocks.index_select(0, top_blocks).view(-1), k)  # (k,), (k,) into (k*B,)
+    return values, top_blocks[pos // block] * block + pos % block  # (k,), (k,)
+
+
+def argmax(x: torch.Tensor, block: int = _ARGMAX_BLOCK) -> int:
+    """torch.argmax(x) (first index of the maximum) via block maxima: ~8x faster than torch.argmax here."""
+    n = x.numel()
+    if n % block or n < 4 * block or not x.is_contiguous():
+        return int(x.argmax())
+    blocks = x.view(-1, block)  # (V/B, B)
+    b = int(blocks.amax(1).argmax())  # first block holding the maximum
+    return b * block + int(blocks[b].argmax())
+
+
+def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's final-logit soft-cap) on a few values; a new tensor either way."""
+    if softcap is None:
+        return x.clone()
+    return x.div(softcap).tanh_().mul_(softcap)
+
+
+def _scale(x: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
+    """Steps 5-6 on candidate values: soft-cap, then temperature. A new tensor."""
+    scaled = _cap(x, softcap)
+    return scaled if inv_t == 1.0 else scaled.mul_(inv_t)
+
+
+def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float, out: torch.Tensor) -> float:
+    """sum(exp(cap(x) * inv_t - shift)) over the whole row, leaving the terms in `out` (no allocation).
+
+    The same float operations as `_scale`, so a token's term here equals its term computed on candidates."""
+    if softcap is None:
+        out.copy_(x)  # (V,)
+    else:
+        torch.div(x, softcap, out=out).tanh_().mul_(softcap)  # (V,)
+    if inv_t != 1.0:
+        out.mul_(inv_t)
+    return float(out.sub_(shift).exp_().sum())
+
+
+class Candidates(NamedTuple):
+    """The tokens one sampling step draws from: the first `n` of `ids`, in proportion to `weights`."""
+
+    ids: torch.Tensor | None  # (m,) token ids best first; None: the whole vocabulary in id order
+    weights: torch.Tensor  # (m,) unnormalised probabilities exp(scaled logit - shift)
+    cum: torch.Tensor  # (m,) cumulative sums of weights
+    n: int  # the survivors of min-p and top-p: a prefix
+
+
+def candidates(
+    x: torch.Tensor, params: SamplingParams, softcap: float | None, scratch: torch.Tensor | None = None
+) -> Candidates:
+    """Steps 4-8 of the module docs, without the draw.
+
+    x: [V] logits after bias and penalties (steps 1-2), raw (not soft-capped).
+    scratch: a [V] float32 buffer for the full-vocabulary passes that only top-k off needs (else allocated).
+    """
+    assert not params.greedy and x.dim() == 1, "sampling path needs temperature > 0 and a [V] row"
+    vocab = x.numel()
+    inv_t = 1.0 / params.temperature
+    if 0 < params.top_k < vocab:
+        values, ids = topk(x, params.top_k)  # (k,) best first
+        weights = torch.softmax(_scale(values, softcap, inv_t), 0)  # (k,) renormalised over the top-k
+        cum = weights.cumsum(0)  # (k,)
+        return Candidates(ids, weights, cum, _kept(weights, cum, params, float(cum[-1])))
+
+    buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
+    if params.min_p <= 0.0 and params.top_p >= 1.0:
+        # Nothing truncates: the whole vocabulary, in id order (no sort needed to draw by inverse CDF).
+        peak = float(_scale(x.amax().view(1), softcap, inv_t))
+        _sum_exp(x, softcap, inv_t, peak, buf)
+        return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
+
+    # top-k off, yet min-p/top-p truncate: probe the best 64, 512, ... until the kept set provably fits inside,
+    # so a peaked distribution (the usual case) costs a small top-k, not a sort of 262k values.
+    total: float | None = None  # sum of all weights over the vocabulary: what top-p alone is measured against
+    probe = _FIRST_PROBE
+    while probe < vocab:
+        values, ids = topk(x, probe)  # (probe,) best first
+        scaled = _scale(values, softcap, inv_t)  # (probe,)
+        if params.min_p > 0.0:
+            # min-p is a ratio to the best token, so the probe's own softmax decides it; the probe holds every
+            # survivor once its last (smallest) weight already fails, as every token outside is <= it.
+            weights = torch.softmax(scaled, 0)  # (probe,)
+            if float(weights[-1]) < params.min_p * float(weights[0]):
+                cum = weights.cumsum(0)  # (probe,)
+                return Candidates(ids, weights, cum, _kept(weights, cum, params, float(cum[-1])))
+        else:
+            peak = float(scaled[0])
+            if total is None:
+                total = _sum_exp(x, softcap, inv_t, peak, buf)
+            weights = scaled.sub_(peak).exp_()  # (probe,) on the same scale as `total`
+            cum = weights.cumsum(0)  # (probe,)
+            missing = params.top_p * total - float(cum[-1])
+            if missing <= 0.0:
+                return Candidates(ids, weights, cum, _kept(weights, cum, params, total))
+            # Every token outside weighs <= the last one: at least missing / weights[-1] more are needed.
+            if probe + missing / max(float(weights[-1]), 1e-30) > _LAST_PROBE:
+                break
+        probe *= 8
+    # A flat distribution: sort everything (the naive route), still exact.
+    values, ids = torch.sort(x, descending=True)  # (V,)
+    weights = torch.softmax(_scale(values, softcap, inv_t), 0)  # (V,)
+    cum = weights.cumsum(0)  # (V,)
+    return Candidates(ids, weights, cum, _kept(weights, cum, params, float(cum[-1])))
+
+
+def _kept(weights: torch.Tensor, cum: torch.Tensor, params: SamplingParams, mass: float) -> int:
+    """min-p, then top-p of `mass`, on best-first weights; both keep a prefix. Returns its length."""
+    n = weights.numel()
+    if params.min_p > 0.0:
+        n = int((weights >= params.min_p * float(weights[0])).sum())
+        mass = float(cum[n - 1])  # top-p renormalises over the min-p survivors
+    if params.top_p < 1.0:
+        # Keep a token while the mass strictly before it is below top_p: always the best one, and the one that
+        # crosses the threshold (HF's TopPLogitsWarper, vLLM). searchsorted counts the prefix sums below it.
+        n = min(int(torch.searchsorted(cum[:n], params.top_p * mass)) + 1, n)
+    return n
+
+
+def draw(c: Candidates, generator: torch.Generator) -> int:
+    """Step 9: one token in proportion to the weights of the first c.n candidates (inverse CDF: one uniform)."""
+    target = float(torch.rand((), dtype=torch.float64, generator=generator)) * float(c.cum[c.n - 1])
+    i = min(int(torch.searchsorted(c.cum[: c.n], target, right=True)), c.n - 1)
+    return i if c.ids is None else int(c.ids[i])
+
+
+def candidate_distribution(
+    x: torch.Tensor, params: SamplingParams, softcap: float | None, scratch: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `Sampler.sample` draws from, for tests and debugging: (token ids, probabilities summing to 1)."""
+    c = candidates(x, params, softcap, scratch)
+    ids = torch.arange(x.numel()) if c.ids is None else c.ids[: c.n]  # (n,)
+    return ids, c.weights[: c.n] / c.cum[c.n - 1]  # (n,), (n,)
+
+
+def raw_logprobs(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    softcap: float | None,
+    scratch: torch.Tensor | None = None,
+    max_id: int | None = None,
+) -> torch.Tensor:
+    """log_softmax(cap(x))[ids] without materialising the log-softmax: one pass for the normaliser.
+
+    x: [V] logits after bias and penalties; ids: (n,); max_id: argmax of x when the caller knows it.
+    Returns (n,) float32.
+    """
+    buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
+    top = x[max_id].view(1) if max_id is not None else x.amax().view(1)  # (1,)
+    peak = float(_cap(top, softcap))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
+    log_total = peak + math.log(_sum_exp(x, softcap, 1.0, peak, buf))
+    return _cap(x.index_select(0, ids), softcap).sub_(log_total)  # (n,)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The naive reference: softcap everything, sort the whole vocabulary. For tests and the benchmark only.
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams, softcap: float | None = None) -> torch.Tensor:
+    """The sampling distribution over the whole vocabulary [V], computed the straightforward (HF warper) way.
+
+    Applies logit_bias (penalties need per-request history; `Sampler` owns them) and steps 4-8 with a full sort.
+    """
+    assert not params.greedy
+    x = logits.clone()  # (V,)
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)  # (V,)
+    x = x / params.temperature  # (V,)
+    values, order = torch.sort(x, descending=True)  # (V,), (V,)
+    if 0 < params.top_k < x.numel():
+        values[params.top_k :] = -math.inf
+    probs = torch.softmax(values, 0)  # (V,) best first
+    if params.min_p > 0.0:
+        probs[probs < params.min_p * probs[0]] = 0.0
+        probs /= probs.sum()
+    if params.top_p < 1.0:
+        probs[probs.cumsum(0) - probs >= params.top_p] = 0.0
+        probs /= probs.sum()
+    return torch.zeros_like(probs).scatter_(0, order, probs)  # (V,) back in vocabulary order
+
+
+def full_sort_top_p(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, softcap: float | None = None
+) -> int:
+    """One token the naive way (full soft-cap, full sort, multinomial over V): the benchmark's baseline."""
+    if params.greedy:
+        x = logits.clone()  # (V,)
+        for token, bias in params.logit_bias:
+            x[token] += bias
+        return int(x.argmax())
+    return int(torch.multinomial(reference_probs(logits, params, softcap), 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-request state
+
+
+class _SeenTokens:
+    """Distinct token ids in first-seen order and how often each was seen, as tensors ready for index ops."""
+
+    __slots__ = ("_pos", "_ids", "_counts", "_n")
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        seen = Counter(tokens)
+        self._n = len(seen)
+        self._pos = {token: i for i, token in enumerate(seen)}
+        capacity = max(64, 2 * self._n)
+        self._ids = torch.zeros(capacity, dtype=torch.long)  # (capacity,), first _n valid
+        self._counts = torch.zeros(capacity)  # (capacity,) float32, to combine with logits directly
+        if self._n:
+            self._ids[: self._n] = torch.tensor(list(seen), dtype=torch.long)
+            self._counts[: self._n] = torch.tensor(list(seen.values()), dtype=torch.float32)
+
+    def add(self, token: int) -> None:
+        pos = self._pos.get(token)
+        if pos is not None:
+            self._counts[pos] += 1
+            return
+        if self._n == self._ids.numel():  # grow by doubling: amortised O(1) per new token
+            self._ids = torch.cat([self._ids, torch.zeros_like(self._ids)])
+            self._counts = torch.cat([self._counts, torch.zeros_like(self._counts)])
+        self._pos[token] = self._n
+        self._ids[self._n] = token
+        self._counts[self._n] = 1
+        self._n += 1
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[: self._n]  # (n,)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._counts[: self._n]  # (n,)
+
+
+class Sampler:
+    """Per-request state: the seeded torch.Generator and the token counts the penalties need."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: Sequence[int], softcap: float | None):
+        assert params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and 0.0 <= params.min_p <= 1.0
+        assert params.repetition_penalty > 0.0 and 0 <= params.top_logprobs <= 20
+        assert softcap is None or softcap > 0.0
+        self.params = params
+        self.vocab_size = vocab_size
+        self.softcap = softcap
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()  # fresh nondeterministic state per request
+        else:
+            self.generator.manual_seed(params.seed)
+        self._bias_ids: torch.Tensor | None = None
+        self._bias_values: torch.Tensor | None = None
+        if params.logit_bias:
+            self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)  # (b,)
+            self._bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)  # (b,)
+        # Only the history a penalty needs is kept: prompt + output for repetition, output for the OpenAI pair.
+        self._seen = _SeenTokens(prompt_ids) if params.repetition_penalty != 1.0 else None
+        wants_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self._output = _SeenTokens() if wants_counts else None
+        self._adjusts = self._bias_ids is not None or self._seen is not None or self._output is not None
+        # Scratch rows, one allocation per request and reused every step, so the caller's logits stay untouched
+        # and no step allocates more than one vocabulary-sized tensor: the adjusted logits, and a row for the
+        # full-vocabulary passes (the logprob normaliser; top-k off).
+        top_k_off = not params.greedy and not 0 < params.top_k < vocab_size
+        self._adjusted = torch.empty(vocab_size) if self._adjusts else None  # (V,)
+        self._scratch = torch.empty(vocab_size) if params.logprobs or top_k_off else None  # (V,)
+
+    def accept(self, token_id: int) -> None:
+        """Record a generated token (for the penalties)."""
+        assert 0 <= token_id < self.vocab_size
+        if self._seen is not None:
+            self._seen.add(token_id)
+        if self._output is not None:
+            self._output.add(token_id)
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """Steps 1-2 (logit_bias, penalties). Returns `logits` itself when nothing applies, else a scratch row
+        that the next call overwrites."""
+        if self._adjusted is None:
+            return logits
+        x = self._adjusted.copy_(logits)  # (V,)
+        if self._bias_ids is not None:
+            x.index_add_(0, self._bias_ids, self._bias_values)
+        if self._seen is not None and self._seen.ids.numel():
+            ids = self._seen.ids  # (n,)
+            vals = x.index_select(0, ids)  # (n,)
+            penalty = self.params.repetition_penalty
+            x.index_copy_(0, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
+        if self._output is not None and self._output.ids.numel():
+            counts = self._output.counts  # (m,) every one >= 1, so presence applies to all
+            x.index_add_(0, self._output.ids, counts * -self.params.frequency_penalty - self.params.presence_penalty)
+        return x
+
+    def sample(self, logits: torch.Tensor) -> SampleResult:
+        """logits: [V] float32, raw (the soft-cap is applied here). Not modified."""
+        assert logits.shape == (self.vocab_size,) and logits.dtype == torch.float32, "expect a raw [V] f32 row"
+        params = self.params
+        x = self.adjust(logits)  # (V,)
+        if params.greedy:
+            token = argmax(x)  # soft-cap and temperature are monotonic: argmax of the adjusted raw logits
+            best = None
+        else:
+            c = candidates(x, params, self.softcap, self._scratch)
+            token = draw(c, self.generator)
+            best = c.ids  # best first when not None: reusable for top_logprobs
+        if not params.logprobs:
+            return SampleResult(token, None)
+
+        n = min(params.top_logprobs, self.vocab_size)
+        if n == 0:
+            top_ids = torch.empty(0, dtype=torch.long)
+        elif best is not None and best.numel() >= n:
+            top_ids = best[:n]  # (N,) already the best N of x
+        else:
+            top_ids = topk(x, n)[1]  # (N,)
+        wanted = torch.cat([torch.tensor([token]), top_ids])  # (1 + N,) the chosen token, then the best N
+        max_id = token if params.greedy else (int(best[0]) if best is not None else None)  # saves a pass
+        logprobs = raw_logprobs(x, wanted, self.softcap, self._scratch, max_id).tolist()
+        return SampleResult(token, logprobs[0], tuple(zip(top_ids.tolist(), logprobs[1:], strict=True)))

@@ -1,0 +1,350 @@
+"""server/sampling.py: exact masks on small vocabularies, distributions, seeds, penalties, soft-cap, logprobs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from server.sampling import (
+    Sampler,
+    SamplingParams,
+    argmax,
+    candidate_distribution,
+    full_sort_top_p,
+    reference_probs,
+    topk,
+)
+
+V = 262_144  # Gemma's vocabulary: the fast paths only engage at realistic sizes
+CAP = 30.0  # Gemma-4's final-logit soft-cap
+DEFAULT = SamplingParams(temperature=1.0, top_k=64, top_p=0.95)
+
+
+def gemma_like_logits(seed: int, vocab: int = V, scale: float = 8.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, generator=g) * scale  # (V,) wide enough for the soft-cap to bend them
+
+
+def as_dense(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), probs)  # (V,)
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.tensor([sampler.sample(logits).token_id for _ in range(n)])  # (n,)
+
+
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson chi-square against expected probabilities, at p = 1e-4 (Wilson-Hilferty critical value)."""
+    n = int(counts.sum())
+    support = probs > 0
+    assert int(counts[~support].sum()) == 0, "drew a token outside the support"
+    expected = probs[support].double() * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    if df == 0:
+        return True
+    z = 3.719  # one-sided normal quantile for 1e-4
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical
+
+
+# --- primitives -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(("vocab", "k", "block"), [(V, 64, 64), (V, 20, 64), (4096, 8, 16), (50, 5, 64)])
+def test_topk_values_equal_torch_topk(seed: int, vocab: int, k: int, block: int) -> None:
+    x = gemma_like_logits(seed, vocab)
+    values, ids = topk(x, k, block=block)
+    ref = torch.topk(x, k)
+    assert torch.equal(values, ref.values)
+    assert torch.equal(x[ids], values)
+    assert len(set(ids.tolist())) == k
+
+
+def test_topk_adversarial_layouts() -> None:
+    # All of the best values crowded into one block, ties across blocks, and -inf (banned) entries.
+    x = torch.full((4096,), -math.inf)
+    x[100:116] = torch.arange(16.0)  # one 16-wide block holds the top 16
+    x[2000:2100] = 3.0  # many ties at the boundary
+    for k in (4, 16, 20, 40):
+        values, ids = topk(x, k, block=16)
+        assert torch.equal(values, torch.topk(x, k).values)
+        assert torch.equal(x[ids], values) and len(set(ids.tolist())) == k
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_argmax_is_first_maximum(seed: int) -> None:
+    x = gemma_like_logits(seed)
+    assert argmax(x) == int(x.argmax())
+    x[[7, 70_000, 200_000]] = 1e4  # ties: the first index wins, as with torch.argmax
+    assert argmax(x) == 7 == int(x.argmax())
+    small = torch.tensor([0.0, 3.0, 3.0, 1.0])
+    assert argmax(small) == 1
+
+
+# --- exact supports on tiny vocabularies ------------------------------------------------------------------
+
+
+def dist(logits: list[float], **kw: float) -> dict[int, float]:
+    params = SamplingParams(**kw)  # type: ignore[arg-type]
+    ids, probs = candidate_distribution(torch.tensor(logits), params, None)
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+    return dict(zip(ids.tolist(), probs.tolist(), strict=True))
+
+
+def test_top_k_support_and_probabilities() -> None:
+    got = dist([0.0, 3.0, -1.0, 2.0, 1.0], top_k=3)
+    want = torch.softmax(torch.tensor([3.0, 2.0, 1.0]), 0).tolist()
+    assert list(got) == [1, 3, 4]
+    assert got[1] == pytest.approx(want[0]) and got[3] == pytest.approx(want[1]) and got[4] == pytest.approx(want[2])
+
+
+def test_top_p_keeps_the_token_that_crosses() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    assert dist(logits, top_p=0.7) == pytest.approx({0: 0.5 / 0.8, 1: 0.3 / 0.8})  # 0.5 < 0.7, then 0.8 >= 0.7
+    assert dist(logits, top_p=0.4) == pytest.approx({0: 1.0})
+    assert dist(logits, top_p=0.9) == pytest.approx({0: 0.5 / 0.95, 1: 0.3 / 0.95, 2: 0.15 / 0.95})
+
+
+def test_min_p_is_relative_to_the_best_token() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    assert dist(logits, min_p=0.35) == pytest.approx({0: 0.5 / 0.8, 1: 0.3 / 0.8})  # threshold 0.175
+    assert dist(logits, min_p=0.05) == pytest.approx({0: 0.5, 1: 0.3, 2: 0.15, 3: 0.05})
+
+
+def test_temperature_then_top_k_then_min_p_then_top_p() -> None:
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
+    params = SamplingParams(temperature=0.5, top_k=4, min_p=0.01, top_p=0.99)
+    scaled = torch.softmax(logits[:4] / 0.5, 0)  # top-k 4, temperature 0.5: [0.865, 0.117, 0.016, 0.002]
+    kept = scaled[:3] / scaled[:3].sum()  # min-p 0.01 drops the 4th (0.002 < 0.0087); top-p 0.99 keeps 3
+    ids, probs = candidate_distribution(logits, params, None)
+    assert ids.tolist() == [0, 1, 2]
+    torch.testing.assert_close(probs, kept)
+
+
+# --- the fast route equals the naive full-sort reference --------------------------------------------------
+
+GRID = [
+    DEFAULT,
+    SamplingParams(temperature=0.7, top_k=40),
+    SamplingParams(temperature=1.3, top_k=64, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=1.0, top_p=0.9),  # top-k off: probing path, top-p against the full mass
+    SamplingParams(temperature=0.5, min_p=0.1),  # top-k off: probing path, min-p
+    SamplingParams(temperature=2.0, top_p=0.5, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=-1, top_p=0.999),
+    SamplingParams(temperature=0.8),  # nothing truncates: the whole vocabulary
+]
+
+
+@pytest.mark.parametrize("softcap", [None, CAP])
+@pytest.mark.parametrize("params", GRID)
+@pytest.mark.parametrize(("vocab", "scale"), [(V, 8.0), (V, 1.0), (1000, 3.0), (7, 2.0)])
+def test_distribution_matches_full_sort_reference(
+    params: SamplingParams, softcap: float | None, vocab: int, scale: float
+) -> None:
+    logits = gemma_like_logits(vocab + int(scale), vocab, scale)
+    ids, probs = candidate_distribution(logits, params, softcap)
+    got = as_dense(ids, probs, vocab)
+    want = reference_probs(logits, params, softcap)
+    differ = (got > 0) != (want > 0)
+    if vocab <= 1000:
+        assert not differ.any(), "supports differ"
+    else:
+        # Over 262k tokens a float32 cumulative sum puts the top-p edge a few ulps apart in the two routes
+        # (seen at top_p 0.999): only tokens of negligible probability may switch sides.
+        assert float(torch.maximum(got, want)[differ].sum()) < 1e-4
+    assert float((got - want).abs().sum()) < 1e-4
+    torch.testing.assert_close(got[~differ], want[~differ], atol=2e-6, rtol=1e-4)
+
+
+def test_flat_distribution_forces_several_probes() -> None:
+    # A near-flat row: the top-p nucleus spans thousands of tokens, beyond the first probes of 64 and 512.
+    logits = gemma_like_logits(3, V, 0.05)
+    params = SamplingParams(top_p=0.02)
+    ids, probs = candidate_distribution(logits, params, CAP)
+    assert ids.numel() > 512
+    torch.testing.assert_close(as_dense(ids, probs, V), reference_probs(logits, params, CAP), atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=5, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+        SamplingParams(temperature=1.5, top_k=8, min_p=0.1, seed=3),
+        SamplingParams(temperature=1.0, seed=4),
+    ],
+)
+def test_sampled_frequencies_match_reference(params: SamplingParams) -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    sampler = Sampler(params, logits.numel(), [], CAP)
+    counts = torch.bincount(draw(sampler, logits, 8000), minlength=logits.numel())
+    assert chi_square_ok(counts, reference_probs(logits, params, CAP))
+
+
+def test_large_vocab_draws_stay_in_support() -> None:
+    logits = gemma_like_logits(11)
+    sampler = Sampler(replace(DEFAULT, seed=0), V, [], CAP)
+    support = reference_probs(logits, DEFAULT, CAP) > 0
+    tokens = draw(sampler, logits, 300)
+    assert bool(support[tokens].all())
+    assert len(set(tokens.tolist())) > 1
+
+
+def test_full_sort_reference_samples_its_own_distribution() -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
+    params = SamplingParams(top_k=3, top_p=0.9)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.tensor([full_sort_top_p(logits, params, g, CAP) for _ in range(4000)])
+    assert chi_square_ok(torch.bincount(tokens, minlength=5), reference_probs(logits, params, CAP))
+    greedy = SamplingParams(temperature=0.0, logit_bias=((4, 10.0),))
+    assert full_sort_top_p(logits, greedy, g, CAP) == 4
+
+
+# --- seeds, greedy ----------------------------------------------------------------------------------------
+
+
+def run(params: SamplingParams, logits: torch.Tensor, n: int = 40, softcap: float | None = CAP) -> list[int]:
+    sampler = Sampler(params, logits.numel(), [1, 2, 3], softcap)
+    out = []
+    for _ in range(n):
+        token = sampler.sample(logits).token_id
+        sampler.accept(token)
+        out.append(token)
+    return out
+
+
+def test_same_seed_same_tokens_and_different_seeds_differ() -> None:
+    logits = gemma_like_logits(0, scale=1.0)
+    params = SamplingParams(top_k=64, top_p=0.95, seed=1234)
+    assert run(params, logits) == run(params, logits)
+    other = SamplingParams(top_k=64, top_p=0.95, seed=1235)
+    assert run(params, logits) != run(other, logits)
+    unseeded = SamplingParams(top_k=64, top_p=0.95)
+    assert run(unseeded, logits) != run(unseeded, logits)  # fresh generator per request
+
+
+def test_greedy_is_argmax_of_raw_logits() -> None:
+    for seed in range(5):
+        logits = gemma_like_logits(seed)
+        sampler = Sampler(SamplingParams(temperature=0.0), V, [], CAP)
+        assert sampler.sample(logits).token_id == int(logits.argmax())
+    assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=0.1).greedy
+
+
+def test_caller_logits_are_not_modified() -> None:
+    logits = gemma_like_logits(5)
+    before = logits.clone()
+    params = SamplingParams(
+        top_k=64, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
+        logit_bias=((9, 5.0),), logprobs=True, top_logprobs=5,
+    )
+    sampler = Sampler(params, V, [1, 2, 3], CAP)
+    for _ in range(3):
+        sampler.accept(sampler.sample(logits).token_id)
+    assert torch.equal(logits, before)
+
+
+# --- penalties and bias -----------------------------------------------------------------------------------
+
+
+def test_penalties_change_exactly_the_seen_tokens() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0, -0.5, 0.0])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5)
+    prompt = [0, 1, 1]
+    sampler = Sampler(params, 8, prompt, None)
+    for token in (2, 3, 3, 0):
+        sampler.accept(token)
+    got = sampler.adjust(logits)
+    want = logits.clone()
+    for token in {0, 1, 2, 3}:  # prompt + output, once per distinct token
+        want[token] = want[token] / 2.0 if want[token] > 0 else want[token] * 2.0
+    for token, count in {2: 1, 3: 2, 0: 1}.items():  # output only, OpenAI: presence + frequency * count
+        want[token] -= 0.25 + 0.5 * count
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[4:], logits[4:]), "unseen tokens must be untouched"
+
+
+def test_penalty_history_grows_past_its_initial_capacity() -> None:
+    params = SamplingParams(frequency_penalty=1.0)
+    sampler = Sampler(params, 1000, [], None)
+    for token in list(range(300)) + [5, 5]:
+        sampler.accept(token)
+    got = sampler.adjust(torch.zeros(1000))
+    assert float(got[5]) == -3.0 and float(got[299]) == -1.0 and float(got[300]) == 0.0
+
+
+def test_no_penalties_means_no_copy() -> None:
+    logits = torch.zeros(10)
+    assert Sampler(SamplingParams(), 10, [1, 2], None).adjust(logits) is logits
+
+
+def test_logit_bias_forces_and_bans() -> None:
+    logits = gemma_like_logits(2)
+    forced = SamplingParams(top_k=64, top_p=0.95, logit_bias=((12345, 100.0),), seed=0)
+    assert set(run(forced, logits, 10)) == {12345}
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias=((777, 100.0),)), V, [], CAP).sample(logits).token_id == 777
+    best = int(logits.argmax())
+    banned = SamplingParams(temperature=0.0, logit_bias=((best, -100.0),))
+    assert Sampler(banned, V, [], CAP).sample(logits).token_id == int(torch.topk(logits, 2).indices[1])
+
+
+# --- soft-cap ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [DEFAULT, SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0, top_k=64, min_p=0.05)],
+)
+def test_softcap_on_candidates_equals_softcap_on_everything(params: SamplingParams) -> None:
+    raw = gemma_like_logits(9, scale=10.0)
+    capped = CAP * torch.tanh(raw / CAP)  # (V,) what the naive server would sample from
+    for seed in range(30):
+        seeded = replace(params, seed=seed)
+        assert Sampler(seeded, V, [], CAP).sample(raw) == Sampler(seeded, V, [], None).sample(capped)
+
+
+def test_softcap_changes_the_distribution() -> None:
+    raw = torch.tensor([60.0, 50.0, 40.0])  # far beyond the cap: the soft-cap squeezes the gaps
+    params = SamplingParams(top_k=3)
+    capped = dict(zip(*(t.tolist() for t in candidate_distribution(raw, params, CAP)), strict=True))
+    assert capped[1] > 0.05 and dict(zip(*(t.tolist() for t in candidate_distribution(raw, params, None)),
+                                         strict=True))[1] < 1e-4
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("softcap", [None, CAP])
+def test_logprobs_are_raw_log_softmax_of_capped_adjusted_logits(temperature: float, softcap: float | None) -> None:
+    logits = gemma_like_logits(4, scale=10.0)
+    params = SamplingParams(
+        temperature=temperature, top_k=64, top_p=0.9, repetition_penalty=1.2, logit_bias=((3, 2.0),),
+        logprobs=True, top_logprobs=20, seed=0,
+    )
+    sampler = Sampler(params, V, [5, 6, 7], softcap)
+    result = sampler.sample(logits)
+    adjusted = sampler.adjust(logits).clone()  # (V,) bias and penalties, as sample() saw them
+    capped = adjusted if softcap is None else softcap * torch.tanh(adjusted / softcap)
+    want = torch.log_softmax(capped.double(), 0)  # (V,)
+    assert result.logprob == pytest.approx(float(want[result.token_id]), abs=2e-5)
+    assert len(result.top_logprobs) == 20
+    ids = [t for t, _ in result.top_logprobs]
+    values = [lp for _, lp in result.top_logprobs]
+    assert values == sorted(values, reverse=True)
+    assert ids == torch.topk(want, 20).indices.tolist()
+    torch.testing.assert_close(torch.tensor(values, dtype=torch.float64), want[ids], atol=2e-5, rtol=0)
+    if temperature == 0.0:
+        assert result.token_id == ids[0]
+
+
+def test_no_logprobs_unless_asked() -> None:
+    result = Sampler(DEFAULT, V, [], CAP).sample(gemma_like_logits(0))
+    assert result.logprob is None and result.top_logprobs == ()
+    chosen_only = Sampler(SamplingParams(logprobs=True), 10, [], CAP).sample(torch.zeros(10))
+    assert chosen_only.logprob == pytest.approx(-math.log(10)) and chosen_only.top_logprobs == ()
