@@ -9,7 +9,7 @@
 # SDK 2.31.1): a compiled graph only loads on the runtime and torch-neuronx it was built against.
 FROM public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04
 
-# bash with pipefail, so a failing `pip freeze` inside a pipe fails the build instead of yielding empty pins.
+# bash with pipefail, so a failing `pip list` inside a pipe fails the build instead of yielding empty pins.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 ENV PYTHONUNBUFFERED=1 \
@@ -32,21 +32,28 @@ RUN pip list --format=freeze | grep -iE '^(torch|torch[-_]neuronx|torchvision|ne
 
 COPY server/ /app/server/
 COPY entrypoint.sh /app/entrypoint.sh
-RUN chmod 0755 /app/entrypoint.sh
+# Import the server against the image's torch now: a dependency clash fails the build, not the first start
+# on the inf2 host (nothing here touches a NeuronCore, so any build machine can run it).
+RUN chmod 0755 /app/entrypoint.sh \
+ && python -c "import server.api.serve, server.fetch, server.runtime" \
+ && python -m server check --help > /dev/null
 
 # Both NeuronCores: the graph is compiled for tensor parallelism 2.
+# No Xet chunk cache: it would keep up to 10 GB of a one-time download in the container's writable layer,
+# on the same disk as the /data volume, behind the back of fetch's free-space check.
 ENV NEURON_RT_VISIBLE_CORES=0,1 \
     HOST=0.0.0.0 \
     PORT=8080 \
-    ARTIFACTS_DIR=/data
+    ARTIFACTS_DIR=/data \
+    HF_XET_CHUNK_CACHE_SIZE_BYTES=0
 
 EXPOSE 8080
 VOLUME /data
 
-# start-period: the first start may download the artifacts (tens of GB: at an EBS gp3 volume's baseline
-# 125 MB/s, ~27 GB take ~4 min to write and as long again to verify; a slower link or a 50 GB repo, 15+ min)
-# and then loads the graph (~112 s, longer while it swaps). 30 min covers that with margin; failures inside
-# it do not count, and the first success ends it, so a normal restart is reported healthy within 30 s.
+# start-period: the first start may download up to ~50 GB (at an EBS gp3 volume's baseline 125 MB/s, ~7 min
+# to write and as long again to verify the hashes) and then loads the graph (~112 s, longer while it swaps):
+# ~20 min; 30 min leaves margin for a slower link. Failures inside the period do not count and the first
+# success ends it, so a restart on a complete volume is reported healthy as soon as the graph is loaded.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --retries=3 \
     CMD curl -fsS --max-time 8 "http://127.0.0.1:${PORT:-8080}/health" > /dev/null || exit 1
 
