@@ -50,6 +50,8 @@ _ARGMAX_BLOCK = 256
 # First candidate count when top-k is off but top-p/min-p still truncate; grows 8x until the kept set fits.
 _FIRST_PROBE = 64
 _LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
+# Gemma-4's final-logit soft-cap: the naive reference's default, so its 3-argument call is the Gemma-4 baseline.
+GEMMA4_SOFTCAP = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +256,9 @@ def raw_logprobs(
 # The naive reference: softcap everything, sort the whole vocabulary. For tests and the benchmark only.
 
 
-def reference_probs(logits: torch.Tensor, params: SamplingParams, softcap: float | None = None) -> torch.Tensor:
+def reference_probs(
+    logits: torch.Tensor, params: SamplingParams, softcap: float | None = GEMMA4_SOFTCAP
+) -> torch.Tensor:
     """The sampling distribution over the whole vocabulary [V], computed the straightforward (HF warper) way.
 
     Applies logit_bias (penalties need per-request history; `Sampler` owns them) and steps 4-8 with a full sort.
@@ -280,7 +284,7 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams, softcap: float
 
 
 def full_sort_top_p(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, softcap: float | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, softcap: float | None = GEMMA4_SOFTCAP
 ) -> int:
     """One token the naive way (full soft-cap, full sort, multinomial over V): the benchmark's baseline."""
     if params.greedy:
