@@ -1,0 +1,1 @@
+"""Vendored build-time scripts (never imported by the server at run time)."""

@@ -1,0 +1,1015 @@
+#!/usr/bin/env python
+"""Compile recipe for Gemma-4 26B-A4B on Inferentia2: NxD ModelBuilder, TP=2, the all-int8 squeeze.
+
+One standalone script (it imports nothing from ``server/``). It turns a transformers checkpoint into the
+artifact directory the server drives:
+
+    OUT/sqz_neff.pt        --target neuron: torch.jit.save of the ModelBuilder trace (weights inside)
+    OUT/model.pt           --target cpu:    the same contract traced with torch.jit (KV in module buffers)
+    OUT/embed_tokens.pt    bf16 [vocab, hidden]; the host looks rows up and multiplies by sqrt(hidden)
+    OUT/cfg/               config.json, generation_config.json, tokenizer files, chat_template.jinja
+    OUT/graph.json         the contract record below
+
+The graph contract ("gemma4-optb/v1"), positional tensors only:
+
+    model(inputs_embeds f32 [1,T,H],      # embed_tokens rows x embed scale (the host does this)
+          position_ids  int64 [1,T],
+          onehot        f32 [1,1,MAX,T],  # 1 where s == position_ids[t]: the KV write slots
+          full_mask     f32 [1,1,T,MAX],  # 0 where s <= position_ids[t], else finfo(f32).min
+          sliding_mask  f32 [1,1,T,MAX])  # 0 where position_ids[t]-window < s <= position_ids[t], else min
+      -> (logits f32 [1,T,V], *kv)        # no final soft-cap: the host applies cap*tanh(x/cap)
+
+T is the prefill bucket or 1 (decode); anything else is refused.
+
+Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
+layer scalars). Only what does not trace or shard is swapped:
+  * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
+    router's top-k weights (0 for the others). Same numbers as HF's sparse loop, static shapes.
+  * the KV cache -> one [1, kv_heads, MAX, head_dim] tensor per layer and K/V, written through the one-hot slot
+    matrix (``SlotCache``); on the device these are aliased states, on CPU buffers updated in place.
+  * nn.Linear -> ``ShardLinear``: a rank's slice of a column/row-parallel linear, optionally int8 per output
+    channel. Sliding-window attention is sharded (8 kv heads), global attention replicated (2 kv heads), the
+    shared MLP and the tied lm_head are column/row sharded, experts split by rank (rank r owns [E/tp*r, E/tp*(r+1))).
+
+Everything above is plain PyTorch and runs (and is tested) on CPU. The Neuron part is ``build_neuron`` alone: it
+imports torch_neuronx / neuronx_distributed inside the function, plugs NxD's collectives into the same modules and
+hands them to ModelBuilder.
+
+Usage:
+    python tp_mb_moe_sqz.py --checkpoint HF_DIR --out DIR --target neuron|cpu [--tp 2] [--max-total 512]
+                            [--prefill-bucket 128] [--quant int8|none]
+    python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONTRACT = "gemma4-optb/v1"
+# Host-side files the server needs next to the graph; copied when the checkpoint has them.
+CFG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+COMPONENTS = ("experts", "attention", "shared_mlp", "lm_head", "other", "kv_cache")
+QUANT_MODES = ("int8", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def text_config_from_dict(raw: Mapping) -> object:
+    """A ``Gemma4TextConfig`` from a config dict (``gemma4_text``, or ``gemma4`` with a ``text_config``)."""
+    from transformers import Gemma4TextConfig
+
+    data = dict(raw)
+    if "text_config" in data and data["text_config"] is not None:
+        data = dict(data["text_config"])
+    data.pop("model_type", None)
+    data.pop("architectures", None)
+    return Gemma4TextConfig(**data)
+
+
+def load_text_config(checkpoint: Path) -> object:
+    return text_config_from_dict(json.loads((checkpoint / "config.json").read_text()))
+
+
+def check_supported(cfg, tp: int) -> None:
+    """Fail early, with the reason, on configs this recipe does not build (rather than a shape error mid-trace)."""
+    problems = []
+    if cfg.hidden_size_per_layer_input:
+        problems.append("per-layer inputs (hidden_size_per_layer_input != 0) are not part of the contract")
+    if cfg.num_kv_shared_layers:
+        problems.append("KV-shared layers (num_kv_shared_layers != 0) are not supported")
+    if cfg.attention_bias:
+        problems.append("attention_bias=True is not supported")
+    # "vision" (bidirectional among image tokens only) leaves text causal; "all" would break the causal contract.
+    if cfg.use_bidirectional_attention == "all":
+        problems.append("use_bidirectional_attention='all' is not supported (the contract is causal)")
+    if not cfg.enable_moe_block:
+        problems.append("this is the MoE recipe: enable_moe_block must be True")
+    if tp < 1:
+        problems.append(f"tp must be >= 1, got {tp}")
+    elif tp > 1:
+        # Only sliding layers shard attention heads; kv heads are a per-layer attribute in transformers' config.
+        sliding = [i for i, lt in enumerate(cfg.layer_types) if lt == "sliding_attention"]
+        kvh = cfg.per_layer_config[sliding[0]].num_key_value_heads if sliding else tp
+        for name, value in (
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("sliding num_key_value_heads", kvh),
+            ("num_experts", cfg.num_experts or 0),
+            ("intermediate_size", cfg.intermediate_size),
+            ("vocab_size", cfg.vocab_size),
+        ):
+            if value % tp:
+                problems.append(f"{name}={value} is not divisible by tp={tp}")
+    if problems:
+        raise ValueError("unsupported Gemma-4 config: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# int8 per-output-channel symmetric quantization
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel (one scale per row, over the last = input dim).
+
+    scale = max|row| / 127, q = round(w / scale) in [-127, 127]. Since |w / scale| <= 127 nothing is clipped, so
+    |w - q * scale| <= scale / 2 (up to f32 rounding). Works for [out, in] and for stacked experts [E, out, in].
+    """
+    w = weight.detach().float()  # [..., out, in]
+    amax = w.abs().amax(dim=-1)  # [..., out]
+    # An all-zero row would give scale 0 and 0/0; any scale reproduces it exactly, so use 1.
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [..., out]
+    q = torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)  # [..., out, in]
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(-1)  # [..., out, in]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tensor parallel plumbing (plain torch; NxD supplies the real collectives in build_neuron)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The two collectives the modules need; identity on one rank, NxD's mappings on Neuron."""
+
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = _identity  # sum of partial results over ranks
+    gather_last: Callable[[torch.Tensor], torch.Tensor] = _identity  # concat of rank slices along the last dim
+
+
+LOCAL = Collectives()
+
+
+def mark_parallel(param: nn.Parameter, dim: int, tp: int) -> None:
+    """Tag a parameter the way NxD's checkpoint sharder reads it: split evenly along ``dim`` into ``tp`` chunks."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+    param.num_partitions = tp
+
+
+def is_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def shard_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """One rank's view of a full (unsharded) checkpoint; the CPU twin of NxD's get_sharded_checkpoint (stride 1)."""
+    local: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name not in full:
+            continue
+        tensor = full[name]
+        if is_parallel(param):
+            dim = param.partition_dim
+            if tensor.shape[dim] % tp:
+                raise ValueError(f"{name}: dim {dim} of {tuple(tensor.shape)} does not split into {tp}")
+            tensor = torch.chunk(tensor, tp, dim=dim)[rank].contiguous()
+        local[name] = tensor
+    return local
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ShardLinear(nn.Module):
+    """y = x @ W^T for one rank's slice of W [out, in], float or int8 with a per-output-channel scale.
+
+    mode "replicated": the whole W on every rank; "col": output features split (the output stays split unless
+    gather_output); "row": input features split, partial sums all-reduced. Scales are per output channel, so a
+    row-parallel int8 weight keeps all of them on every rank.
+    """
+
+    keep_f32 = ("scale",)  # scales stay f32 whatever the compute dtype: they carry the int8 weights' precision
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mode: str,
+        tp: int,
+        quant: bool,
+        dtype: torch.dtype,
+        coll: Collectives,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        if mode not in ("replicated", "col", "row"):
+            raise ValueError(f"unknown mode {mode!r}")
+        split_dim = {"col": 0, "row": 1}.get(mode)
+        local = [out_features, in_features]  # [out, in] on this rank
+        if split_dim is not None:
+            if local[split_dim] % tp:
+                raise ValueError(f"[{out_features}, {in_features}] does not split {mode}-wise over tp={tp}")
+            local[split_dim] //= tp
+        out_local, in_local = local
+        self.in_features, self.out_features = in_features, out_features
+        self.mode, self.quant, self.gather_output, self.coll = mode, quant, gather_output, coll
+        if quant:
+            self.qweight = nn.Parameter(torch.empty(out_local, in_local, dtype=torch.int8), requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(out_local, dtype=torch.float32), requires_grad=False)
+            if split_dim is not None:
+                mark_parallel(self.qweight, split_dim, tp)
+            if mode == "col":
+                mark_parallel(self.scale, 0, tp)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
+            if split_dim is not None:
+                mark_parallel(self.weight, split_dim, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_local] -> [..., out_local] (or [..., out])
+        if self.quant:
+            # Per-output-channel scale commutes with the matmul: scale the [.., out] result, not the weight.
+            y = F.linear(x, self.qweight.to(x.dtype))  # [..., out_local]
+            y = (y.float() * self.scale).to(x.dtype)
+        else:
+            y = F.linear(x, self.weight)  # [..., out_local]
+        if self.mode == "row":
+            y = self.coll.all_reduce(y)
+        elif self.mode == "col" and self.gather_output:
+            y = self.coll.gather_last(y)  # [..., out]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}->{self.out_features}, mode={self.mode}, int8={self.quant}"
+
+
+class DenseExperts(nn.Module):
+    """Drop-in for Gemma4TextExperts: all local experts on all tokens, weighted by the top-k router weights.
+
+    HF loops over the experts that were hit (data-dependent shapes, does not trace). Here every local expert runs
+    and a token's output is sum_e w[t, e] * expert_e(x_t) with w = the router's top-k weight for e, 0 otherwise:
+    the same sum as HF's sparse loop, with static shapes. Rank r of tp holds experts [E_l*r, E_l*(r+1)); ``rank``
+    is a runtime tensor ([r], sharded from arange(tp) like NxD's SPMDRank) so one traced graph serves every rank.
+    """
+
+    keep_f32 = ("gate_up_scale", "down_scale")
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        tp: int,
+        quant: bool,
+        dtype: torch.dtype,
+        coll: Collectives,
+    ) -> None:
+        super().__init__()
+        if num_experts % tp:
+            raise ValueError(f"{num_experts} experts do not split over tp={tp}")
+        self.num_experts, self.num_local = num_experts, num_experts // tp
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.act_fn, self.quant, self.coll = act_fn, quant, coll
+        e, h, i = self.num_local, hidden_size, intermediate_size
+
+        def param(*shape: int, dt: torch.dtype) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
+            mark_parallel(p, 0, tp)
+            return p
+
+        self.rank = param(1, dt=torch.int32)
+        if quant:
+            self.gate_up_qweight = param(e, 2 * i, h, dt=torch.int8)
+            self.gate_up_scale = param(e, 2 * i, dt=torch.float32)
+            self.down_qweight = param(e, h, i, dt=torch.int8)
+            self.down_scale = param(e, h, dt=torch.float32)
+        else:
+            self.gate_up_proj = param(e, 2 * i, h, dt=dtype)  # same layout as HF: [E, 2I, H]
+            self.down_proj = param(e, h, i, dt=dtype)  # [E, H, I]
+
+    def local_routing_weights(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """[N, K] global expert ids + weights -> [N, E_l] dense weights of this rank's experts (0 if not chosen)."""
+        local_ids = top_k_index - self.rank.to(top_k_index.dtype) * self.num_local  # [N, K]; off-rank ids fall outside
+        slots = torch.arange(self.num_local, device=top_k_index.device, dtype=top_k_index.dtype)  # [E_l]
+        hit = (local_ids.unsqueeze(-1) == slots).to(top_k_weights.dtype)  # [N, K, E_l]
+        return (hit * top_k_weights.unsqueeze(-1)).sum(dim=1)  # [N, E_l]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:  # [N, H], [N, K], [N, K] -> [N, H]
+        dtype = hidden_states.dtype
+        weights = self.local_routing_weights(top_k_index, top_k_weights).to(dtype)  # [N, E_l]
+        if self.quant:
+            gate_up = torch.einsum("nh,eoh->neo", hidden_states, self.gate_up_qweight.to(dtype))  # [N, E_l, 2I]
+            gate_up = (gate_up.float() * self.gate_up_scale).to(dtype)
+        else:
+            gate_up = torch.einsum("nh,eoh->neo", hidden_states, self.gate_up_proj)  # [N, E_l, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, E_l, I] each
+        # Weighting before the (linear) down projection lets the expert sum fold into the contraction.
+        inner = self.act_fn(gate) * up * weights.unsqueeze(-1)  # [N, E_l, I]
+        if self.quant:
+            per_expert = torch.einsum("nei,ehi->neh", inner, self.down_qweight.to(dtype))  # [N, E_l, H]
+            out = (per_expert.float() * self.down_scale).sum(dim=1).to(dtype)  # [N, H]
+        else:
+            out = torch.einsum("nei,ehi->nh", inner, self.down_proj)  # [N, H]
+        return self.coll.all_reduce(out)  # every rank adds its experts' share
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_local}/{self.num_experts}, int8={self.quant}"
+
+
+class SlotCache:
+    """The ``cache`` object HF's attention calls: writes this step's K/V into the slot tensors via the one-hot.
+
+    new = old * (1 - written) + onehot @ kv: exact (each slot gets at most one 1.0 term), static shapes, no
+    scatter. The attention then reads the whole [MAX] slot range; the masks decide what is visible.
+    """
+
+    def __init__(self, model: RecipeModel, onehot: torch.Tensor) -> None:
+        self.model = model
+        self.onehot = onehot  # [1, 1, MAX, T]
+        self.keep: dict[torch.dtype, torch.Tensor] = {}
+        self.new_states: dict[str, torch.Tensor] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_: object):
+        # key/value_states [1, kvh_local, T, D] -> the full slot tensors [1, kvh_local, MAX, D]
+        attn = self.model.layers[layer_idx].self_attn
+        onehot = self.onehot.to(key_states.dtype)  # [1, 1, MAX, T]
+        if key_states.dtype not in self.keep:
+            self.keep[key_states.dtype] = 1.0 - onehot.sum(dim=-1, keepdim=True)  # [1, 1, MAX, 1]
+        keep = self.keep[key_states.dtype]
+        out = []
+        for name, new in (("k_cache", key_states), ("v_cache", value_states)):
+            state = getattr(attn, name)  # [1, kvh_local, MAX, D]
+            updated = state * keep + torch.matmul(onehot, new)  # [1, kvh_local, MAX, D]
+            if self.model.plan.inplace_kv:
+                state.copy_(updated)  # CPU: the buffer is the cache; on Neuron the alias does this
+            self.new_states[f"layers.{layer_idx}.self_attn.{name}"] = updated
+            out.append(updated)
+        return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to build the module: parallel degree, squeeze, compute dtype, KV capacity and state handling."""
+
+    tp: int = 1
+    quant: str = "none"  # "int8": experts, shared MLP and lm_head per-channel int8
+    dtype: torch.dtype = torch.float32
+    max_total: int = 512
+    kv_as_params: bool = False  # NxD aliases parameters (device states); CPU keeps plain buffers
+    inplace_kv: bool = True  # CPU: update the buffers in the graph; Neuron: return them, the alias writes back
+
+    @property
+    def int8(self) -> bool:
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {QUANT_MODES}, got {self.quant!r}")
+        return self.quant == "int8"
+
+
+class RecipeModel(nn.Module):
+    """Gemma-4 text model on the graph contract, built from transformers' own decoder layers."""
+
+    def __init__(self, text_config, plan: Plan, coll: Collectives = LOCAL) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+        from transformers.models.gemma4.modeling_gemma4 import (
+            Gemma4RMSNorm,
+            Gemma4TextDecoderLayer,
+            Gemma4TextRotaryEmbedding,
+        )
+
+        check_supported(text_config, plan.tp)
+        cfg = copy.deepcopy(text_config)
+        # The masks come in as tensors: eager attention adds them as they are (sdpa/flash would re-derive them).
+        cfg._attn_implementation = "eager"
+        # Not `self.config`: NxD's sharder casts every checkpoint tensor (int8 included) to `model.config.torch_dtype`.
+        self.text_config = cfg
+        self.plan = plan
+        self.coll = coll
+        self.layer_types = list(cfg.layer_types)
+        self.state_names: list[str] = []
+        tp, int8, dtype = plan.tp, plan.int8, plan.dtype
+
+        def linear(lin: nn.Linear, mode: str, quant: bool, gather_output: bool = False) -> ShardLinear:
+            if lin.bias is not None:
+                raise ValueError("biased linears are not supported")
+            return ShardLinear(
+                lin.in_features,
+                lin.out_features,
+                mode=mode if tp > 1 else "replicated",
+                tp=tp,
+                quant=quant,
+                dtype=dtype,
+                coll=coll,
+                gather_output=gather_output,
+            )
+
+        self.layers = nn.ModuleList()
+        for idx in range(cfg.num_hidden_layers):
+            layer = Gemma4TextDecoderLayer(cfg, idx)
+            attn = layer.self_attn
+            # Sliding layers (8 kv heads) split heads over ranks; global ones (2 kv heads) stay whole on every rank.
+            sharded = attn.is_sliding and tp > 1
+            kv_heads = attn.k_proj.out_features // attn.head_dim
+            attn.q_proj = linear(attn.q_proj, "col" if sharded else "replicated", quant=False)
+            attn.k_proj = linear(attn.k_proj, "col" if sharded else "replicated", quant=False)
+            if attn.v_proj is not None:  # attention_k_eq_v global layers reuse the k projection for v
+                attn.v_proj = linear(attn.v_proj, "col" if sharded else "replicated", quant=False)
+            attn.o_proj = linear(attn.o_proj, "row" if sharded else "replicated", quant=False)
+            local_kv = kv_heads // tp if sharded else kv_heads
+            for name in ("k_cache", "v_cache"):
+                slots = torch.zeros(1, local_kv, plan.max_total, attn.head_dim, dtype=dtype)  # [1, kvh_l, MAX, D]
+                if plan.kv_as_params:
+                    setattr(attn, name, nn.Parameter(slots, requires_grad=False))
+                else:
+                    attn.register_buffer(name, slots)
+                self.state_names.append(f"layers.{idx}.self_attn.{name}")
+
+            mlp = layer.mlp
+            mlp.gate_proj = linear(mlp.gate_proj, "col", quant=int8)
+            mlp.up_proj = linear(mlp.up_proj, "col", quant=int8)
+            mlp.down_proj = linear(mlp.down_proj, "row", quant=int8)
+            layer.experts = DenseExperts(
+                cfg.num_experts,
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                ACT2FN[cfg.hidden_activation],
+                tp=tp,
+                quant=int8,
+                dtype=dtype,
+                coll=coll,
+            )
+            # layer_scalar is a buffer in HF, and to NxD a buffer is not a checkpoint weight: it is traced with the
+            # value the module was built with (1.0 -> noise out, as the 26B build found). As a parameter it is
+            # loaded from the checkpoint like every other weight.
+            scalar = layer.layer_scalar.detach().clone()
+            del layer.layer_scalar
+            layer.layer_scalar = nn.Parameter(scalar, requires_grad=False)
+            self.layers.append(layer)
+
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Gemma4TextRotaryEmbedding(cfg)
+        # Tied lm_head [V, H], split by vocabulary rows over ranks and gathered: 1/tp of it per rank.
+        self.lm_head = ShardLinear(
+            cfg.hidden_size,
+            cfg.vocab_size,
+            mode="col" if tp > 1 else "replicated",
+            tp=tp,
+            quant=int8,
+            dtype=dtype,
+            coll=coll,
+            gather_output=True,
+        )
+        self._cast_floats(dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def _cast_floats(self, dtype: torch.dtype) -> None:
+        """HF submodules are created in f32; move their weights to the compute dtype (not our f32 scales)."""
+        for module in self.modules():
+            keep = getattr(module, "keep_f32", ())
+            for name, p in module._parameters.items():
+                if p is not None and p.is_floating_point() and name not in keep and p.dtype != dtype:
+                    p.data = p.data.to(dtype)  # keeps the Parameter object and its TP attributes
+
+    # -- states ------------------------------------------------------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """KV slot tensors in output order (output i+1 is state i)."""
+        return [self.get_parameter(n) if self.plan.kv_as_params else self.get_buffer(n) for n in self.state_names]
+
+    def state_aliases(self) -> dict[torch.Tensor, int]:
+        """{state tensor: output index} for ModelBuilder's input_output_aliases (output 0 is the logits)."""
+        return {t: i + 1 for i, t in enumerate(self.state_tensors())}
+
+    @torch.no_grad()
+    def reset_states(self) -> None:
+        for t in self.state_tensors():
+            t.zero_()
+
+    # -- the contract ------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,  # f32 [1, T, H], already x embed scale
+        position_ids: torch.Tensor,  # int64 [1, T]
+        onehot: torch.Tensor,  # f32 [1, 1, MAX, T]
+        full_mask: torch.Tensor,  # f32 [1, 1, T, MAX]
+        sliding_mask: torch.Tensor,  # f32 [1, 1, T, MAX]
+    ) -> tuple[torch.Tensor, ...]:
+        hidden = inputs_embeds.to(self.plan.dtype)  # [1, T, H]
+        cache = SlotCache(self, onehot)
+        rope = {lt: self.rotary_emb(hidden, position_ids, lt) for lt in sorted(set(self.layer_types))}
+        # Masks stay f32: a bf16 score plus an f32 mask is computed in f32 (finfo(f32).min would be -inf in bf16).
+        masks = {"full_attention": full_mask, "sliding_attention": sliding_mask}
+        shared_kv: dict = {}  # HF's last layer of each type stores its K/V here; unused without KV sharing
+        for idx, layer in enumerate(self.layers):
+            layer_type = self.layer_types[idx]
+            hidden = layer(
+                hidden,
+                None,
+                shared_kv_states=shared_kv,
+                position_embeddings=rope[layer_type],
+                attention_mask=masks[layer_type],
+                position_ids=position_ids,
+                cache=cache,
+            )  # [1, T, H]
+        hidden = self.norm(hidden)
+        logits = self.lm_head(hidden).float()  # [1, T, V]; no soft-cap, the host applies it
+        return (logits, *[cache.new_states[n] for n in self.state_names])
+
+    # trace_module needs one method per graph; both are the same forward at different T.
+    def prefill(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.forward(*inputs)
+
+    def decode(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.forward(*inputs)
+
+
+def build_model(text_config, plan: Plan, coll: Collectives = LOCAL, device: str | torch.device = "cpu") -> RecipeModel:
+    """Build the module; on "meta" nothing is allocated (residency, NxD sharding templates)."""
+    with torch.device(device):
+        model = RecipeModel(text_config, plan, coll)
+    return model.eval()
+
+
+def build_device_module(text_config, plan: Plan, coll: Collectives = LOCAL) -> RecipeModel:
+    """What each ModelBuilder rank traces: built on meta (no 26B random init), then given uninitialised storage.
+
+    Weight values do not matter to the trace (they are graph inputs loaded from the checkpoint). What does matter
+    is rebuilt for real: the rotary inv_freq buffers (baked as constants) and zeroed KV states.
+    """
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    model = build_model(text_config, plan, coll, device="meta")
+    # meta -> cpu swaps in new Parameter objects, dropping the TP tags NxD's sharder reads: put them back.
+    tags = {n: (p.partition_dim, p.num_partitions) for n, p in model.named_parameters() if is_parallel(p)}
+    model.to_empty(device="cpu")
+    for name, p in model.named_parameters():
+        if name in tags and not is_parallel(p):
+            mark_parallel(p, *tags[name])
+    model.rotary_emb = Gemma4TextRotaryEmbedding(model.text_config)
+    model.reset_states()
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checkpoint -> the module's full (unsharded) state dict
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointReader:
+    """Lazy tensor access to a safetensors checkpoint (one file or several shards), memory-mapped."""
+
+    # Where the text decoder lives: Gemma4ForCausalLM, Gemma4ForConditionalGeneration, bare text model.
+    PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {self.directory}")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where: dict[str, object] = {}
+        for handle in self._handles:
+            for key in handle.keys():  # noqa: SIM118  (a safetensors handle is not iterable)
+                self._where[key] = handle
+        probe = "layers.0.input_layernorm.weight"
+        self.prefix = next((p for p in self.PREFIXES if p + probe in self._where), None)
+        if self.prefix is None:
+            raise KeyError(f"no Gemma-4 text decoder weights ({probe}) in {self.directory}")
+
+    def get(self, name: str) -> torch.Tensor:
+        """A text-model tensor by its name relative to the decoder (e.g. ``layers.0.mlp.up_proj.weight``)."""
+        key = self.prefix + name
+        if key not in self._where:
+            raise KeyError(f"{key} missing from the checkpoint in {self.directory}")
+        return self._where[key].get_tensor(key)
+
+    def lm_head(self, tied: bool) -> torch.Tensor:
+        if not tied and "lm_head.weight" in self._where:
+            return self._where["lm_head.weight"].get_tensor("lm_head.weight")
+        return self.get("embed_tokens.weight")  # tied: the lm_head is the embedding table
+
+
+# Our parameter name suffix -> (checkpoint suffix, what to take from the per-channel quantization)
+_QUANT_SOURCES = {
+    ".qweight": (".weight", 0),
+    ".scale": (".weight", 1),
+    ".gate_up_qweight": (".gate_up_proj", 0),
+    ".gate_up_scale": (".gate_up_proj", 1),
+    ".down_qweight": (".down_proj", 0),
+    ".down_scale": (".down_proj", 1),
+}
+
+
+def convert_checkpoint(reader: CheckpointReader, model: RecipeModel) -> dict[str, torch.Tensor]:
+    """Every weight of ``model`` (states excluded) as a full-size tensor: renamed, cast, int8-quantized.
+
+    Driven by the module's own parameter names, so a checkpoint/module mismatch is a clear error here, not a
+    silent zero on the device. Shapes are checked against the module's (rank-local x tp) shapes.
+    """
+    tp = model.plan.tp
+    tied = bool(getattr(model.text_config, "tie_word_embeddings", True))
+    states = set(model.state_names)
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    full: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name in states:
+            continue
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, DenseExperts) and name.endswith(".rank"):
+            tensor = torch.arange(tp, dtype=torch.int32)  # sharded along dim 0: rank r reads [r]
+        else:
+            suffix = next((s for s in _QUANT_SOURCES if name.endswith(s)), None)
+            quant_owner = isinstance(owner, (ShardLinear, DenseExperts)) and owner.quant
+            if suffix is not None and quant_owner:
+                src_suffix, part = _QUANT_SOURCES[suffix]
+                src = name[: -len(suffix)] + src_suffix
+                if src not in quantized:  # q and scale come from one pass; both are kept as outputs anyway
+                    quantized[src] = quantize_per_channel(_read(reader, src, tied))
+                tensor = quantized[src][part]
+            else:
+                tensor = _read(reader, name, tied)
+            if param.is_floating_point() and tensor.dtype != param.dtype:
+                tensor = tensor.to(param.dtype)
+        expected = list(param.shape)
+        if is_parallel(param):
+            expected[param.partition_dim] *= tp
+        if list(tensor.shape) != expected:
+            raise ValueError(f"{name}: checkpoint gives {list(tensor.shape)}, the module expects {expected}")
+        full[name] = tensor.contiguous()
+    return full
+
+
+def _read(reader: CheckpointReader, name: str, tied: bool) -> torch.Tensor:
+    if name.startswith("lm_head."):
+        return reader.lm_head(tied)
+    return reader.get(name)
+
+
+def load_rank(model: RecipeModel, full: Mapping[str, torch.Tensor], rank: int = 0) -> RecipeModel:
+    """Load one rank's shard of a full converted state dict into a materialised module (CPU paths)."""
+    local = shard_state_dict(model, full, rank, model.plan.tp)
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    # rotary inv_freq buffers are non-persistent; only the KV states may be absent from a checkpoint.
+    missing = [m for m in missing if m not in set(model.state_names)]
+    if missing or unexpected:
+        raise KeyError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
+    model.reset_states()
+    return model
+
+
+def model_from_checkpoint(checkpoint: Path, plan: Plan, rank: int = 0, coll: Collectives = LOCAL) -> RecipeModel:
+    cfg = load_text_config(Path(checkpoint))
+    reader = CheckpointReader(Path(checkpoint))
+    model = build_model(cfg, plan, coll)
+    return load_rank(model, convert_checkpoint(reader, model), rank)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Contract inputs (what graphs/jit.py builds from positions; used here for examples and the CPU smoke run)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def contract_inputs(
+    inputs_embeds: torch.Tensor, position_ids: torch.Tensor, max_total: int, window: int
+) -> tuple[torch.Tensor, ...]:
+    """(embeds [1,T,H], positions [1,T]) -> the five contract tensors."""
+    slots = torch.arange(max_total)  # [MAX]
+    pos = position_ids[0].to(torch.int64)  # [T]
+    onehot = (slots[:, None] == pos[None, :]).float()[None, None]  # [1, 1, MAX, T]
+    seen = slots[None, :] <= pos[:, None]  # [T, MAX]
+    in_window = seen & (slots[None, :] > pos[:, None] - window)  # [T, MAX]
+    neg = torch.finfo(torch.float32).min
+    full = torch.where(seen, 0.0, neg)[None, None].float()  # [1, 1, T, MAX]
+    sliding = torch.where(in_window, 0.0, neg)[None, None].float()  # [1, 1, T, MAX]
+    return inputs_embeds.float(), position_ids.to(torch.int64), onehot, full, sliding
+
+
+def example_inputs(cfg, t: int, start: int, max_total: int) -> tuple[torch.Tensor, ...]:
+    embeds = torch.randn(1, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [1, T, H]
+    positions = torch.arange(start, start + t, dtype=torch.int64)[None]  # [1, T]
+    return contract_inputs(embeds, positions, max_total, cfg.sliding_window)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Residency: bytes per rank by component, from the config alone
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def component_of(name: str, states: Iterable[str]) -> str:
+    if name in states:
+        return "kv_cache"
+    if ".experts." in name:
+        return "experts"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "shared_mlp"
+    if name.startswith("lm_head."):
+        return "lm_head"
+    return "other"  # norms, router, layer scalars, rotary tables, expert rank
+
+
+def residency(text_config, tp: int, quant: str, max_total: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Device bytes held by one rank, per component (every rank holds the same amount)."""
+    from accelerate import init_empty_weights
+
+    plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False)
+    with init_empty_weights(include_buffers=True):
+        model = RecipeModel(text_config, plan)
+    states = set(model.state_names)
+    sizes = dict.fromkeys(COMPONENTS, 0)
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        sizes[component_of(name, states)] += t.numel() * t.element_size()
+    sizes["total"] = sum(sizes[c] for c in COMPONENTS)
+    return sizes
+
+
+def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: int, as_json: bool) -> None:
+    print(f"per-rank device residency (tp={tp}, quant={quant}, MAX={max_total}, bf16 compute)")
+    for comp in (*COMPONENTS, "total"):
+        print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
+    if as_json:
+        print(json.dumps({k: int(sizes[k]) for k in (*COMPONENTS, "total")}))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Artifacts shared by both targets
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def write_host_artifacts(checkpoint: Path, reader: CheckpointReader, out: Path) -> None:
+    cfg_dir = out / "cfg"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    for name in CFG_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, cfg_dir / name)
+    table = reader.get("embed_tokens.weight").to(torch.bfloat16).contiguous()  # [V, H]; clone off the mmap
+    torch.save(table.clone(), out / "embed_tokens.pt")
+
+
+def write_graph_json(out: Path, *, cfg, max_total: int, bucket: int, tp: int, graph_file: str, quant: str) -> dict:
+    record = {
+        "contract": CONTRACT,
+        "max_total": max_total,
+        "prefill_bucket": bucket,
+        "input_dtype": "float32",
+        "tp": tp,
+        "softcap_in_graph": False,
+        "sliding_window": int(cfg.sliding_window),
+        "graph_file": graph_file,
+        "quant": quant,
+    }
+    (out / "graph.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# --target cpu: the same contract as one TorchScript file
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ContractDispatch(nn.Module):
+    """Routes by T like ModelBuilder does: T == bucket -> prefill graph, T == 1 -> decode graph, else an error."""
+
+    def __init__(self, core: nn.Module, bucket: int) -> None:
+        super().__init__()
+        self.core = core
+        self.bucket = bucket
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        onehot: torch.Tensor,
+        full_mask: torch.Tensor,
+        sliding_mask: torch.Tensor,
+    ):
+        t = inputs_embeds.size(1)
+        if t == 1:
+            return self.core.decode(inputs_embeds, position_ids, onehot, full_mask, sliding_mask)
+        if t == self.bucket:
+            return self.core.prefill(inputs_embeds, position_ids, onehot, full_mask, sliding_mask)
+        raise RuntimeError("no graph for this input shape: T must be 1 (decode) or the prefill bucket")
+
+
+def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
+    """prefill (T=bucket) and decode (T=1) traced into one module over one set of KV buffers."""
+    max_total = model.plan.max_total
+    inputs = {
+        "prefill": example_inputs(cfg, bucket, 0, max_total),
+        "decode": example_inputs(cfg, 1, bucket, max_total),
+    }
+    # TorchScript is the contract (torch.jit.load on the server, as for Neuron's ModelBuilder output), so its
+    # deprecation notices in recent torch are noise here.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        # check_trace would re-run each method and see different KV buffers (the graph mutates them by design).
+        traced = torch.jit.trace_module(model, inputs, check_trace=False)
+        for name, buf in traced.named_buffers():
+            if name in set(model.state_names):
+                buf.zero_()  # tracing ran the graphs once; ship empty caches
+        model.reset_states()
+        return torch.jit.script(ContractDispatch(traced, bucket))
+
+
+def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path) -> dict:
+    dtype = DTYPES[args.dtype or "float32"]
+    if args.tp != 1:
+        print(f"note: --target cpu runs on one rank; tp {args.tp} -> 1 (the split is exercised by the tests)")
+    plan = Plan(tp=1, quant=args.quant, dtype=dtype, max_total=args.max_total)
+    model = build_model(cfg, plan)
+    load_rank(model, convert_checkpoint(reader, model))
+
+    # Run it once before tracing: a broken checkpoint shows up as non-finite logits, not a silent artifact.
+    with torch.no_grad():
+        logits = model(*example_inputs(cfg, args.prefill_bucket, 0, args.max_total))[0]
+        step = model(*example_inputs(cfg, 1, args.prefill_bucket, args.max_total))[0]
+    if not (torch.isfinite(logits).all() and torch.isfinite(step).all()):
+        raise RuntimeError("non-finite logits from the CPU module; refusing to write the artifact")
+    model.reset_states()
+
+    scripted = trace_cpu(model, cfg, args.prefill_bucket)
+    torch.jit.save(scripted, str(out / "model.pt"))
+    return write_graph_json(
+        out,
+        cfg=cfg,
+        max_total=args.max_total,
+        bucket=args.prefill_bucket,
+        tp=1,
+        graph_file="model.pt",
+        quant=args.quant,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# --target neuron: the thin NxD layer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def import_neuron() -> dict[str, object]:
+    """The only place the Neuron stack is imported (so CPU runs and tests never need it)."""
+    try:
+        import torch_neuronx  # noqa: F401  (registers the Neuron TorchScript classes)
+        from neuronx_distributed.parallel_layers import mappings
+        from neuronx_distributed.trace import trace as nxd_trace
+        from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
+    except ImportError as exc:
+        raise SystemExit(f"--target neuron needs torch-neuronx and neuronx-distributed: {exc}") from exc
+    return {
+        "mappings": mappings,
+        "nxd_trace": nxd_trace,
+        "BaseModelInstance": BaseModelInstance,
+        "ModelBuilder": ModelBuilder,
+    }
+
+
+def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path) -> dict:
+    nxd = import_neuron()
+    mappings, nxd_trace = nxd["mappings"], nxd["nxd_trace"]
+    BaseModelInstance, ModelBuilder = nxd["BaseModelInstance"], nxd["ModelBuilder"]  # noqa: N806
+
+    # NxD's sharder only splits parameters of module classes it knows; ours carry the same TP attributes.
+    registry = "__SUPPORTED_SHARDED_MODULES"
+    setattr(nxd_trace, registry, tuple(getattr(nxd_trace, registry)) + (ShardLinear, DenseExperts))
+
+    coll = Collectives(
+        all_reduce=mappings.reduce_from_tensor_model_parallel_region,
+        gather_last=mappings.gather_from_tensor_model_parallel_region,
+    )
+    dtype = DTYPES[args.dtype or "bfloat16"]
+    plan = Plan(tp=args.tp, quant=args.quant, dtype=dtype, max_total=args.max_total, kv_as_params=True, inplace_kv=False)
+
+    class Instance(BaseModelInstance):
+        """Builds the module per key and aliases its KV parameters to outputs 1.. (device-resident states)."""
+
+        def __init__(self) -> None:
+            super().__init__(module_cls=lambda: build_device_module(cfg, plan, coll), input_output_aliases={})
+
+        def load_module(self) -> None:
+            self.module = self.module_cls()
+            self.input_output_aliases = [self.module.state_aliases()]
+
+    converted: dict[str, torch.Tensor] = {}
+
+    def checkpoint_loader() -> dict[str, torch.Tensor]:
+        if not converted:
+            template = build_model(cfg, plan, LOCAL, device="meta")  # names and shapes only
+            converted.update(convert_checkpoint(reader, template))
+        return dict(converted)  # the sharder replaces entries per rank: hand out a fresh mapping each call
+
+    builder = ModelBuilder(
+        router=None,
+        tp_degree=args.tp,
+        checkpoint_loader=checkpoint_loader,
+        compiler_workdir=str(out / "compiler_workdir"),
+    )
+    for key, t, start in (("prefill", args.prefill_bucket, 0), ("decode", 1, args.prefill_bucket)):
+        builder.add(
+            key=key,
+            model_instance=Instance(),
+            example_inputs=[example_inputs(cfg, t, start, args.max_total)],
+            compiler_args=args.compiler_args,
+        )
+    nxd_model = builder.trace(initialize_model_weights=True)
+    torch.jit.save(nxd_model, str(out / "sqz_neff.pt"))
+    return write_graph_json(
+        out,
+        cfg=cfg,
+        max_total=args.max_total,
+        bucket=args.prefill_bucket,
+        tp=args.tp,
+        graph_file="sqz_neff.pt",
+        quant=args.quant,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=Path, help="transformers checkpoint dir (Gemma4ForCausalLM or gemma4)")
+    p.add_argument("--out", type=Path, help="artifact directory to write")
+    p.add_argument("--target", choices=("neuron", "cpu"), default="neuron")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--max-total", type=int, default=512, help="KV slots (MAX)")
+    p.add_argument("--prefill-bucket", type=int, default=128, help="prefill chunk length (BUCKET)")
+    p.add_argument("--quant", choices=QUANT_MODES, default="int8")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
+    p.add_argument("--compiler-args", default=None, help="neuronx-cc flags (default: ModelBuilder's)")
+    p.add_argument("--residency", action="store_true", help="print per-rank device memory by component and exit")
+    p.add_argument("--config", type=Path, help="config.json for --residency")
+    p.add_argument("--json", action="store_true", help="with --residency: last line is one JSON object of bytes")
+    args = p.parse_args(argv)
+    if args.residency:
+        if args.config is None:
+            p.error("--residency needs --config CONFIG_JSON")
+    else:
+        if args.checkpoint is None or args.out is None:
+            p.error("--checkpoint and --out are required (or use --residency)")
+        if not 1 < args.prefill_bucket <= args.max_total:
+            p.error("need 1 < --prefill-bucket <= --max-total")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.residency:
+        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        sizes = residency(cfg, args.tp, args.quant, args.max_total)
+        print_residency(sizes, args.tp, args.quant, args.max_total, args.json)
+        return 0
+
+    if args.target == "neuron":
+        import_neuron()  # fail before writing anything when the Neuron stack is missing
+    cfg = load_text_config(args.checkpoint)
+    check_supported(cfg, 1 if args.target == "cpu" else args.tp)
+    reader = CheckpointReader(args.checkpoint)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_host_artifacts(args.checkpoint, reader, args.out)
+    build = build_cpu if args.target == "cpu" else build_neuron
+    record = build(args, cfg, reader, args.out)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
