@@ -66,8 +66,11 @@ def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize(("vocab", "k", "block"), [(V, 64, 64), (V, 20, 64), (4096, 8, 16), (50, 5, 64)])
-def test_topk_values_equal_torch_topk(seed: int, vocab: int, k: int, block: int) -> None:
+@pytest.mark.parametrize(
+    ("vocab", "k", "block"),
+    [(V, 64, None), (V, 20, None), (V, 512, None), (V, 4096, None), (V, 64, 128), (4096, 8, 16), (50, 5, None)],
+)
+def test_topk_values_equal_torch_topk(seed: int, vocab: int, k: int, block: int | None) -> None:
     x = gemma_like_logits(seed, vocab)
     values, ids = topk(x, k, block=block)
     ref = torch.topk(x, k)
