@@ -258,9 +258,15 @@ def raw_logprobs(
     Returns (n,) float32.
     """
     buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
-    top = x[max_id].view(1) if max_id is not None else x.amax().view(1)  # (1,)
-    peak = float(_cap(top, softcap))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
-    log_total = peak + math.log(_sum_exp(x, softcap, 1.0, peak, buf))
+    if softcap is not None and softcap + math.log(x.numel()) < 80.0:
+        # |cap(x)| < cap, so even summed over the vocabulary exp cannot overflow float32 (~e^88) nor underflow:
+        # no max, no shift, one pass fewer (~15% of this function).
+        torch.mul(x, 1.0 / softcap, out=buf).tanh_().mul_(softcap)  # (V,)
+        log_total = math.log(float(buf.exp_().sum()))
+    else:
+        top = x[max_id].view(1) if max_id is not None else x.amax().view(1)  # (1,)
+        peak = float(_cap(top, softcap))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
+        log_total = peak + math.log(_sum_exp(x, softcap, 1.0, peak, buf))
     return _cap(x.index_select(0, ids), softcap).sub_(log_total)  # (n,)
 
 

@@ -334,7 +334,7 @@ def test_softcap_changes_the_distribution() -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-@pytest.mark.parametrize("softcap", [None, CAP])
+@pytest.mark.parametrize("softcap", [None, CAP, 100.0])  # 100: the shifted normaliser branch
 def test_logprobs_are_raw_log_softmax_of_capped_adjusted_logits(temperature: float, softcap: float | None) -> None:
     logits = gemma_like_logits(4, scale=10.0)
     params = SamplingParams(
