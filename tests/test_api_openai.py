@@ -315,8 +315,8 @@ def test_model_generation_defaults_fill_unset_fields() -> None:
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
         r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12)
         assert r.choices[0].text == " a" * 12
-        # an explicit field still wins: temperature 1 with a seed samples (the null logits give " a" p~0.24)
-        sampled = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=1, seed=3,
+        # an explicit field still wins: at temperature 2 over the top 40, " a" has p < 0.3 per token
+        sampled = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=2, seed=3,
                                             extra_body={"top_k": 40})
         assert sampled.choices[0].text != " a" * 12
 
@@ -373,3 +373,14 @@ def test_api_key() -> None:
         assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
         assert httpx.get(f"{live.url}/metrics").status_code == 200
 
+
+
+def test_chat_stream_logprobs_ride_with_their_tokens(client: OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True,
+                                                 logprobs=True, top_logprobs=2))
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) == 3
+    for c in content:
+        lp = c.choices[0].logprobs
+        assert lp is not None and lp.content is not None and len(lp.content) == 1
+        assert lp.content[0].token == c.choices[0].delta.content and len(lp.content[0].top_logprobs) == 2

@@ -44,7 +44,8 @@ class Service:
         self.max_total = host.max_total
         self.vocab_size = host.structure.vocab_size
         self.created = int(time.time())
-        self.inflight: set[RequestHandle] = set()
+        self.inflight: set[RequestHandle] = set()  # submitted, Finish not yet received
+        self._waiters: set[asyncio.Task[None]] = set()
         self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
 
     # ----------------------------------------------------------------- validation helpers
@@ -105,8 +106,12 @@ class Service:
         return handle
 
     async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
-        """The engine's events, with the metrics and the one log line per request; cancels on early exit."""
+        """The engine's events, with the metrics and the one log line per request.
+
+        A caller that stops listening early (client gone) cancels the request; its Finish, which the engine
+        sends within one step, is still counted and logged, by a small task that waits for it."""
         last: float | None = None
+        finished = False
         try:
             async for event in handle.events():
                 if isinstance(event, Delta) and event.token_id is not None:
@@ -115,13 +120,28 @@ class Service:
                         self.metrics.itl.observe(now - last)
                     last = now
                 elif isinstance(event, Finish):
+                    finished = True
                     self._finished(handle, event)
                 yield event
         finally:
-            handle.cancel()  # a no-op once finished; frees the device when the caller stopped listening
+            if not finished:
+                handle.cancel()
+                task = asyncio.ensure_future(self._await_finish(handle))
+                self._waiters.add(task)
+                task.add_done_callback(self._waiters.discard)
+
+    async def _await_finish(self, handle: RequestHandle) -> None:
+        try:
+            async with asyncio.timeout(self.settings.step_timeout_s + 10):
+                async for event in handle.events():
+                    if isinstance(event, Finish):
+                        self._finished(handle, event)
+        except TimeoutError:
+            log.error("%s: no Finish from the engine after cancelling", handle.request.request_id)
             self.inflight.discard(handle)
 
     def _finished(self, handle: RequestHandle, finish: Finish) -> None:
+        self.inflight.discard(handle)
         self.metrics.observe_finish(finish)
         decode_s = finish.total_s - (finish.ttft_s or finish.total_s)
         rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else 0.0

@@ -1,0 +1,191 @@
+"""Lifecycle: /health while the graph loads (HTTP listens meanwhile), a graph that fails to load, draining
+in-process (in-flight requests finish, new ones get 503, the grace period cancels stragglers), and SIGTERM on
+a real `python -m server serve` process, which must drain and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from server.api.serve import serve
+from server.graphs.base import Graph
+from server.runtime import graph_loader
+from tests.api_fixtures import LiveServer, make_engine, null_host, settings, slow_loader
+from tests.models import demo_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_health_says_loading_until_the_graph_is_ready() -> None:
+    host = null_host()
+    release = threading.Event()
+
+    def load() -> Graph:
+        assert release.wait(60), "the test never released the load"
+        return graph_loader(host)()
+
+    config = settings()
+    live = LiveServer(config, make_engine(host, config, load), host).start(wait_ready=False)
+    try:
+        r = httpx.get(f"{live.url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading" and "reason" in r.json()
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(model="gemma-test", messages=HI)  # type: ignore[arg-type]
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "model_loading"  # type: ignore[index]
+        assert caught.value.response.headers["retry-after"]
+        # the host side answers already
+        assert [m.id for m in client.models.list().data] == ["gemma-test"]
+        assert httpx.post(f"{live.url}/tokenize", json={"prompt": "Hello"}).json()["count"] == 2
+        assert httpx.get(f"{live.url}/metrics").status_code == 200
+
+        release.set()
+        live.wait_state("ok")
+        r = httpx.get(f"{live.url}/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert client.chat.completions.create(model="gemma-test", messages=HI, max_tokens=1).usage is not None  # type: ignore[arg-type]
+    finally:
+        release.set()
+        live.stop()
+
+
+def test_health_reports_a_graph_that_failed_to_load() -> None:
+    def load() -> Graph:
+        raise RuntimeError("no NeuronCore found")
+
+    config = settings()
+    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start(wait_ready=False)
+    try:
+        live.wait_state("error")
+        r = httpx.get(f"{live.url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "error"
+        assert "no NeuronCore found" in r.json()["reason"]
+        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        live.stop()
+
+
+def _data(lines: list[str]) -> list[str]:
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+
+def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones() -> None:
+    config = settings()
+    load, _ = slow_loader(null_host(), 0.05)
+    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    try:
+        body = {"prompt": "Hi", "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            received = [next(line for line in lines if line.startswith("data: "))]
+            assert live.loop is not None
+            drained = asyncio.run_coroutine_threadsafe(live.app.state.drain(10.0), live.loop)
+            live.wait_state("draining", timeout=5)
+            r = httpx.get(f"{live.url}/health")
+            assert r.status_code == 503 and r.json() == {"status": "draining", "reason": "shutting down"}
+            r = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_draining"
+            received += list(lines)
+        data = _data(received)
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == " a" * 20
+        assert drained.result(10) is True
+    finally:
+        live.stop()
+
+
+def test_drain_grace_expiry_cancels_stragglers_in_band() -> None:
+    config = settings()
+    load, _ = slow_loader(null_host(), 0.05)
+    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    try:
+        body = {"prompt": "Hi", "max_tokens": 500, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            received = [next(line for line in lines if line.startswith("data: "))]
+            started = time.monotonic()
+            assert live.loop is not None
+            drained = asyncio.run_coroutine_threadsafe(live.app.state.drain(0.3), live.loop)
+            received += list(lines)
+            elapsed = time.monotonic() - started
+        data = _data(received)
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])["error"]
+        assert error["code"] == "cancelled" and error["type"] == "service_unavailable"
+        assert elapsed < 3.0
+        assert drained.result(10) is True
+    finally:
+        live.stop()
+
+
+def test_serve_returns_1_on_an_invalid_artifact_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve(settings(artifacts=tmp_path, graph="null")) == 1
+    assert str(tmp_path) in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--artifacts", str(demo_dir()), "--graph", "null",
+         "--port", str(port), "--shutdown-grace", "20", "--log-level", "info"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the server never became healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+        body = {"prompt": "Hi", "max_tokens": 600, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            received = [next(line for line in lines if line.startswith("data: "))]
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            health = httpx.get(f"{url}/health", timeout=5)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            received += list(lines)
+        data = _data(received)
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight stream ran to its end
+        assert "".join(c["choices"][0]["text"] for c in chunks).count(" a") == 600
+        assert proc.wait(30) == 0
+        log = proc.communicate()[0]
+        assert "draining" in log and "prompt=2 reused=" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,89 @@
+"""Real answers: the Gemma-3 270M (the `hf` graph on CPU) behind the live server.
+
+Greedy decoding is deterministic, so the API must give exactly what the engine gives for the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from server.engine import Delta, Finish, GenerationRequest
+from server.sampling import SamplingParams
+from tests.api_fixtures import LiveServer, hf_host, live_server, make_engine, settings
+
+MODEL = "gemma-test"
+QUESTION = "Question: What is the capital of France?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[LiveServer]:
+    host = hf_host()
+    config = settings(graph="hf")
+    with live_server(config, make_engine(host, config), host) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(real: LiveServer) -> OpenAI:
+    return OpenAI(base_url=f"{real.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_greedy_completion_knows_paris(client: OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=4, temperature=0)
+    assert "Paris" in r.choices[0].text, r.choices[0].text
+
+
+def test_chat_through_the_api_equals_the_engine_directly(real: LiveServer, client: OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name three colours."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    api_text = r.choices[0].message.content
+
+    tokenizer = real.host.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def direct() -> tuple[str, Finish]:
+        handle = real.engine.submit(GenerationRequest(ids, 6, SamplingParams(temperature=0.0)))
+        out = ""
+        async for event in handle.events():
+            if isinstance(event, Delta):
+                out += event.text
+            else:
+                return out, event
+        raise AssertionError("no Finish")
+
+    engine_text, finish = asyncio.run(direct())
+    assert api_text == engine_text and r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (finish.prompt_tokens, finish.completion_tokens)
+    # and streaming gives the same text too
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == engine_text
+
+
+def test_stop_string_on_real_text(client: OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=4, temperature=0).choices[0].text
+    stop = "Paris"
+    assert stop in full
+    expected = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=4, temperature=0, stop=[stop])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=4, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_generate_route_is_greedy_chat(real: LiveServer, client: OpenAI) -> None:
+    body = httpx.post(f"{real.url}/generate", json={"prompt": "Name three colours.", "max_new_tokens": 6},
+                      timeout=120).json()
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0,
+                                          messages=[{"role": "user", "content": "Name three colours."}])
+    assert body["response"] == chat.choices[0].message.content and body["response"]
+    assert body["finish_reason"] == chat.choices[0].finish_reason
+    assert body["gen_tokens"] == chat.usage.completion_tokens  # type: ignore[union-attr]
