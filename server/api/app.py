@@ -55,8 +55,7 @@ async def error_response(request: Request, exc: Exception) -> Response:
                            code="method_not_allowed", headers=dict(exc.headers or {}))
         else:
             exc = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-    elif not isinstance(exc, APIError):
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    elif not isinstance(exc, APIError):  # a bug: Starlette re-raises it after this answer, and uvicorn logs it
         exc = APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
 

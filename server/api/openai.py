@@ -31,8 +31,8 @@ from server.api.schemas import (
     DetokenizeRequest,
     GenerateRequest,
     Message,
+    SamplingFields,
     TokenizeRequest,
-    _Sampling,
     parse,
 )
 from server.api.service import ClientGone, Service, finish_error
@@ -213,7 +213,7 @@ class OpenAIRoutes:
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.settings.max_body_bytes)
 
-    def _sampling(self, body: _Sampling, top_logprobs: int | None) -> SamplingParams:
+    def _sampling(self, body: SamplingFields, top_logprobs: int | None) -> SamplingParams:
         """`top_logprobs` None = no logprobs. Unset fields: the model's defaults, then OpenAI's."""
         defaults = self.service.host.structure.generation_defaults
 
@@ -284,7 +284,7 @@ class OpenAIRoutes:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = self._sampling(body, top_logprobs)
-        ids = self.service.chat_ids(body.messages)
+        ids = await self.service.chat_ids(body.messages)
         response_id = f"chatcmpl-{request.state.request_id}"
         generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.token_limit, "messages"),
                                        sampling, body.stop, response_id)
@@ -302,12 +302,12 @@ class OpenAIRoutes:
                            param="echo", code="invalid_value")
         sampling = self._sampling(body, body.logprobs)
         if isinstance(body.prompt, str):
-            ids = self.service.text_ids(body.prompt)  # with BOS, as vLLM does
+            ids = await self.service.text_ids(body.prompt)  # with BOS, as vLLM does
             prompt_text = body.prompt
         else:
             ids = list(body.prompt)
             self.service.check_token_ids(ids, "prompt")
-            prompt_text = self.service.decode(ids) if body.echo else ""
+            prompt_text = await self.service.decode(ids) if body.echo else ""
         response_id = f"cmpl-{request.state.request_id}"
         generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.token_limit, "prompt"),
                                        sampling, body.stop, response_id)
@@ -320,7 +320,7 @@ class OpenAIRoutes:
 
     async def generate(self, request: Request) -> Response:
         body = parse(GenerateRequest, await self._body(request))
-        ids = self.service.chat_ids([Message(role="user", content=body.prompt)])
+        ids = await self.service.chat_ids([Message(role="user", content=body.prompt)])
         generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.max_new_tokens, "prompt"),
                                        SamplingParams(temperature=0.0), (), f"gen-{request.state.request_id}")
         handle = self.service.submit(generation)
@@ -342,18 +342,18 @@ class OpenAIRoutes:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.", param="prompt", code="invalid_value")
         if body.messages is not None:
-            ids = self.service.chat_ids(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
+            ids = await self.service.chat_ids(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
                                         add_special_tokens=bool(body.add_special_tokens))
         else:
             assert body.prompt is not None
-            ids = self.service.text_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = await self.service.text_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.service.max_total})
 
     async def detokenize(self, request: Request) -> Response:
         body = parse(DetokenizeRequest, await self._body(request))
         self.service.check_model(body.model)
         self.service.check_token_ids(body.tokens, "tokens")
-        return JSONResponse({"prompt": self.service.decode(body.tokens)})
+        return JSONResponse({"prompt": await self.service.decode(body.tokens)})
 
     def _model_card(self) -> dict[str, Any]:
         name = self.service.model_name

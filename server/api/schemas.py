@@ -54,7 +54,7 @@ class Message(_Body):
         return "\n".join(texts)
 
 
-class _Sampling(_Body):
+class SamplingFields(_Body):
     """The fields shared by chat and legacy completions."""
 
     model: str | None = None
@@ -120,13 +120,13 @@ class _Sampling(_Body):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int]  # a list of one string is unwrapped; a list of token ids is taken as is
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token

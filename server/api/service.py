@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 from jinja2 import TemplateError
 from starlette.requests import Request
 
@@ -62,8 +63,20 @@ class Service:
             raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                            param=param, code="invalid_value")
 
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False) -> list[int]:
+    # Tokenizing runs on a worker thread: a 2 MB prompt takes seconds, which would stall every other stream's
+    # chunks on the event loop. (Encoding and decoding borrow the Rust tokenizer immutably and release the GIL.)
+
+    async def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                       add_special_tokens: bool = False) -> list[int]:
+        return await anyio.to_thread.run_sync(self._chat_ids, messages, add_generation_prompt, add_special_tokens)
+
+    async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await anyio.to_thread.run_sync(self._text_ids, text, add_special_tokens)
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        return await anyio.to_thread.run_sync(self._decode, ids)
+
+    def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
         """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
         special tokens again: the template writes BOS itself."""
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
@@ -76,7 +89,7 @@ class Service:
                            code="invalid_value") from None
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _text_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
@@ -88,7 +101,7 @@ class Service:
                            param=param, code="context_length_exceeded")
         return room if requested is None else min(requested, room)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids)))
 
     def _token_info(self, token_id: int) -> tuple[str, list[int]]:
