@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from server.api.serve import serve
 from server.graphs.base import Graph
@@ -28,7 +29,7 @@ from tests.api_fixtures import LiveServer, make_engine, null_host, settings, slo
 from tests.models import demo_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-HI = [{"role": "user", "content": "Hi"}]
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
 
 def test_health_says_loading_until_the_graph_is_ready() -> None:
@@ -46,7 +47,7 @@ def test_health_says_loading_until_the_graph_is_ready() -> None:
         assert r.status_code == 503 and r.json()["status"] == "loading" and "reason" in r.json()
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.APIStatusError) as caught:
-            client.chat.completions.create(model="gemma-test", messages=HI)  # type: ignore[arg-type]
+            client.chat.completions.create(model="gemma-test", messages=HI)
         assert caught.value.status_code == 503 and caught.value.body["code"] == "model_loading"  # type: ignore[index]
         assert caught.value.response.headers["retry-after"]
         # the host side answers already
@@ -58,7 +59,7 @@ def test_health_says_loading_until_the_graph_is_ready() -> None:
         live.wait_state("ok")
         r = httpx.get(f"{live.url}/health")
         assert r.status_code == 200 and r.json() == {"status": "ok"}
-        assert client.chat.completions.create(model="gemma-test", messages=HI, max_tokens=1).usage is not None  # type: ignore[arg-type]
+        assert client.chat.completions.create(model="gemma-test", messages=HI, max_tokens=1).usage is not None
     finally:
         release.set()
         live.stop()

@@ -12,11 +12,12 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings
 
 MODEL = "gemma-test"
-HI = [{"role": "user", "content": "Hi"}]
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +58,12 @@ def test_chat_non_stream_stops_at_exactly_max_tokens(client: OpenAI) -> None:
 
 def test_chat_prompt_uses_the_chat_template_without_a_second_bos(server: LiveServer, client: OpenAI) -> None:
     tokenizer = server.host.tokenizer
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert expected.count(tokenizer.bos_token_id) == 1
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert r.usage is not None and r.usage.prompt_tokens == len(expected)
     # /tokenize of the same messages agrees, token for token
     tokens = post(server, "/tokenize", {"messages": messages}).json()

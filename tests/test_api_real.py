@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from server.engine import Delta, Finish, GenerationRequest
 from server.sampling import SamplingParams
@@ -39,8 +40,8 @@ def test_greedy_completion_knows_paris(client: OpenAI) -> None:
 
 
 def test_chat_through_the_api_equals_the_engine_directly(real: LiveServer, client: OpenAI) -> None:
-    messages = [{"role": "user", "content": "Name three colours."}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     api_text = r.choices[0].message.content
 
     tokenizer = real.host.tokenizer
@@ -61,7 +62,7 @@ def test_chat_through_the_api_equals_the_engine_directly(real: LiveServer, clien
     assert api_text == engine_text and r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (finish.prompt_tokens, finish.completion_tokens)
     # and streaming gives the same text too
-    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == engine_text
 

@@ -155,6 +155,28 @@ def test_client_disconnect_frees_the_device_within_one_step(slow: tuple[LiveServ
     assert to_start < STEP_S + 0.1  # the step in flight, plus scheduling slack on a busy 2-core box
     samples = httpx.get(f"{live.url}/metrics").text
     assert 'gemma4_requests_finished_total{reason="cancelled"}' in samples
+    assert not service.inflight  # every request's Finish was received, the abandoned one's too
+
+
+def test_a_queued_request_whose_client_leaves_never_runs(slow: tuple[LiveServer, SlowGraph]) -> None:
+    live, graph = slow
+    engine, service = live.engine, live.app.state.service
+    a_body = {"prompt": "A", "max_tokens": 20, "temperature": 0, "stream": True}
+    b_body = {"prompt": "B", "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=a_body, timeout=30) as a:
+        lines = a.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=b_body, timeout=30) as b:
+            assert b.status_code == 200 and engine.queue_depth == 1
+        # B's client is gone while B waits; A runs to its end
+        a_data = [line for line in lines if line.startswith("data: ")]
+        assert a_data[-1] == "data: [DONE]"
+        calls_after_a = graph.calls
+    deadline = time.monotonic() + 5
+    while (engine.admitted or service.inflight) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.admitted == 0 and not service.inflight
+    assert graph.calls == calls_after_a  # B never reached the device
 
 
 def test_queue_full_is_429_with_retry_after() -> None:

@@ -239,8 +239,8 @@ class OpenAIRoutes:
     async def _respond(self, request: Request, handle: RequestHandle, fmt: _Format, stream: bool,
                        include_usage: bool) -> Response:
         if stream:
-            return GenerationStream(self._stream(handle, fmt, include_usage), handle,
-                                    ping_s=self.settings.sse_ping_s)
+            return GenerationStream(self._stream(handle, fmt, include_usage),
+                                    lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
         try:
             text, deltas, finish = await self.service.collect(request, handle)
         except ClientGone:

@@ -46,7 +46,7 @@ class Service:
         self.vocab_size = host.structure.vocab_size
         self.created = int(time.time())
         self.inflight: set[RequestHandle] = set()  # submitted, Finish not yet received
-        self._waiters: set[asyncio.Task[None]] = set()
+        self._waiters: dict[RequestHandle, asyncio.Task[None]] = {}  # released requests awaiting their Finish
         self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
 
     # ----------------------------------------------------------------- validation helpers
@@ -121,8 +121,7 @@ class Service:
     async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
         """The engine's events, with the metrics and the one log line per request.
 
-        A caller that stops listening early (client gone) cancels the request; its Finish, which the engine
-        sends within one step, is still counted and logged, by a small task that waits for it."""
+        A caller that stops listening early (client gone) releases the request (see `release`)."""
         last: float | None = None
         finished = False
         try:
@@ -138,10 +137,17 @@ class Service:
                 yield event
         finally:
             if not finished:
-                handle.cancel()
-                task = asyncio.ensure_future(self._await_finish(handle))
-                self._waiters.add(task)
-                task.add_done_callback(self._waiters.discard)
+                self.release(handle)
+
+    def release(self, handle: RequestHandle) -> None:
+        """The caller is gone: cancel the request (frees the device within one step) and still count and log its
+        Finish when it comes. A no-op for requests already finished or released."""
+        if handle not in self.inflight or handle in self._waiters:
+            return
+        handle.cancel()
+        task = asyncio.ensure_future(self._await_finish(handle))
+        self._waiters[handle] = task
+        task.add_done_callback(lambda _: self._waiters.pop(handle, None))
 
     async def _await_finish(self, handle: RequestHandle) -> None:
         try:

@@ -12,14 +12,12 @@ enough for that: a generator that was never started (client gone before the firs
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from typing import Any
 
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
-
-from server.engine import RequestHandle
 
 DONE = "[DONE]"
 
@@ -36,13 +34,13 @@ def _ping() -> ServerSentEvent:
 
 
 class GenerationStream(EventSourceResponse):
-    def __init__(self, body: AsyncIterable[bytes], handle: RequestHandle, *, ping_s: float,
+    def __init__(self, body: AsyncIterable[bytes], release: Callable[[], None], *, ping_s: float,
                  headers: Mapping[str, str] | None = None) -> None:
         super().__init__(body, headers=headers, ping=ping_s, sep="\n", ping_message_factory=_ping)
-        self.handle = handle
+        self._release = release  # cancels the engine request unless it already finished
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.handle.cancel()  # a no-op once the request finished
+            self._release()
