@@ -15,7 +15,6 @@ Deliberate choices:
 from __future__ import annotations
 
 import hmac
-import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,8 +36,6 @@ from server.config import Settings
 from server.engine import Engine
 from server.errors import APIError
 from server.runtime import Host
-
-log = logging.getLogger("server.api")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
