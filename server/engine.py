@@ -241,6 +241,11 @@ class Engine:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
+                    # Nobody may wait forever on a request the engine will never run.
+                    while self._queue:
+                        queued = self._queue.popleft()
+                        queued._emit(self._finish(queued, "cancelled", len(queued.request.prompt_ids), 0))
+                        self._admitted -= 1
                     return
                 handle = self._queue.popleft()
                 self._running = handle

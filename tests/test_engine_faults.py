@@ -1,0 +1,127 @@
+"""The engine under faults: a graph that raises, one that stalls, one that fails to load, and stop() with a queue.
+
+Each ends the affected request with an event (never a hang) and leaves the engine serving the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from server.engine import Delta, Engine, Finish, GenerationRequest
+from server.graphs.null import NullGraph
+from server.sampling import SamplingParams
+from tests.api_fixtures import SlowGraph, null_host
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def null_graph() -> NullGraph:
+    host = null_host()
+    return NullGraph(host.structure.vocab_size, max_total=host.max_total, prefill_bucket=host.spec.prefill_bucket,
+                     favoured_token=host.tokenizer.get_vocab().get("▁a"))
+
+
+def started(load: object, **kwargs: object) -> Engine:
+    host = null_host()
+    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, load, **kwargs)  # type: ignore[arg-type]
+    engine.start()
+    deadline = time.monotonic() + 30
+    while engine.state == "loading" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine
+
+
+async def collect(engine: Engine, n: int = 8) -> tuple[str, Finish]:
+    handle = engine.submit(GenerationRequest((2, 100, 200), n, GREEDY))
+    text = ""
+    async for event in handle.events():
+        if isinstance(event, Delta):
+            text += event.text
+        else:
+            return text, event
+    raise AssertionError("no Finish")
+
+
+def test_a_graph_that_raises_ends_that_request_and_the_next_one_runs() -> None:
+    graph = SlowGraph(null_graph(), 0.0, fail_after=4)  # prefill + 3 decode steps, then a device fault
+    engine = started(lambda: graph)
+    try:
+        _, finish = asyncio.run(collect(engine))
+        assert finish.reason == "error" and "simulated device fault" in (finish.error or "")
+        assert engine.state == "ok"
+        graph.fail_after = None
+        text, finish = asyncio.run(collect(engine))
+        assert finish.reason == "length" and finish.completion_tokens == 8 and text
+        assert finish.reused_tokens == 0  # the cache was reset after the fault, never trusted
+    finally:
+        engine.stop()
+
+
+def test_a_stalled_graph_call_fails_its_request_and_health_recovers() -> None:
+    graph = SlowGraph(null_graph(), 0.0)
+    release = threading.Event()
+    inner_forward = graph.forward
+
+    def stalling(*args: object, **kwargs: object) -> object:
+        if graph.calls == 2:  # the first decode step hangs
+            graph.calls += 1
+            release.wait(30)
+        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    graph.forward = stalling  # type: ignore[method-assign]
+    engine = started(lambda: graph, step_timeout_s=0.4)
+    try:
+        began = time.monotonic()
+        _, finish = asyncio.run(collect(engine))
+        waited = time.monotonic() - began
+        assert finish.reason == "error" and "step timeout" in (finish.error or "")
+        assert waited < 5, waited
+        assert engine.state == "error" and "step timeout" in engine.state_reason
+        release.set()  # the device comes back: the engine is healthy again and serves
+        deadline = time.monotonic() + 10
+        while engine.state != "ok" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.state == "ok"
+        _, finish = asyncio.run(collect(engine))
+        assert finish.reason == "length"
+    finally:
+        release.set()
+        engine.stop()
+
+
+def test_a_graph_that_fails_to_load_reports_why() -> None:
+    def broken() -> NullGraph:
+        raise FileNotFoundError("sqz_neff.pt: truncated")
+
+    engine = started(broken)
+    try:
+        assert engine.state == "error"
+        assert "graph failed to load" in engine.state_reason and "truncated" in engine.state_reason
+        with pytest.raises(Exception, match="not ready: error") as info:
+            asyncio.run(collect(engine))
+        assert getattr(info.value, "status", None) == 503
+    finally:
+        engine.stop()
+
+
+def test_stop_finishes_queued_requests_instead_of_leaving_them_waiting() -> None:
+    engine = started(lambda: SlowGraph(null_graph(), 0.05))
+
+    async def scenario() -> list[Finish]:
+        handles = [engine.submit(GenerationRequest((2, 100), 50, GREEDY)) for _ in range(3)]
+        await asyncio.sleep(0.2)  # the first is running, two are queued
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        finishes = []
+        for handle in handles:
+            async for event in handle.events():
+                if isinstance(event, Finish):
+                    finishes.append(event)
+        return finishes
+
+    finishes = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert [f.reason for f in finishes] == ["cancelled"] * 3
+    assert engine.admitted == 0
