@@ -111,7 +111,10 @@ class Settings:
                     raise ValueError(f"{option.env}: {exc}") from exc
         api_key_file = values.get("api_key_file")
         if api_key_file is not None and values.get("api_key") is None:
-            values["api_key"] = Path(api_key_file).read_text(encoding="utf-8").strip() or None
+            key = Path(api_key_file).read_text(encoding="utf-8").strip()
+            if not key:  # a secret that did not mount must not silently turn authentication off
+                raise ValueError(f"the API key file {api_key_file} is empty")
+            values["api_key"] = key
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 

@@ -15,6 +15,7 @@ Deliberate choices:
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +42,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
+log = logging.getLogger("server.api")
+
 
 async def error_response(request: Request, exc: Exception) -> Response:
     """The one error handler: APIError as is; Starlette's HTTP errors and unexpected exceptions mapped to it."""
@@ -54,7 +57,16 @@ async def error_response(request: Request, exc: Exception) -> Response:
             exc = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
     elif not isinstance(exc, APIError):  # a bug: Starlette re-raises it after this answer, and uvicorn logs it
         exc = APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+    request_id = request.scope.get("state", {}).get("request_id", "-")
+    log.log(logging.ERROR if exc.status >= 500 else logging.INFO, "%s: %s %s -> %d %s: %s", request_id,
+            request.method, _clip(request.url.path, 200), exc.status, exc.code or exc.type, _clip(exc.message, 300))
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
+
+
+def _clip(text: str, limit: int) -> str:
+    """Client-supplied text as one bounded log line (a 2 MB model name, or a newline, must not flood or forge lines)."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
 
 
 class RequestIdMiddleware:
@@ -90,7 +102,9 @@ def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         candidates = [token.strip()] if scheme.lower() == "bearer" else []
         candidates.append(request.headers.get("x-api-key", ""))
-        if not any(hmac.compare_digest(c.encode(), expected) for c in candidates if c):
+        # Starlette decodes header bytes as latin-1; encoding back gives the bytes the client sent (UTF-8 for a
+        # non-ASCII key), compared in constant time with the key's UTF-8 bytes.
+        if not any(hmac.compare_digest(c.encode("latin-1"), expected) for c in candidates if c):
             raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>` or `X-Api-Key`).",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return await endpoint(request)

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.schemas import (
@@ -66,10 +66,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # gone before the body was complete: nobody to answer, and not a server error
+        raise APIError(499, "The client closed the connection before the request body was complete.",
+                       code="client_closed_request") from None
     return bytes(body)
 
 

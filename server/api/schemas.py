@@ -20,6 +20,7 @@ from server.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOPS = 4
+MAX_TOKEN_ID_DIGITS = 18  # any vocabulary is smaller; int() of a longer key is never needed
 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
@@ -106,9 +107,14 @@ class SamplingFields(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # ASCII digits only, and few of them: str.isdigit() also accepts "²" and "٣", and int() refuses the first
+        # and any string of more than 4300 digits, which would surface later as a 500.
         for key in value or {}:
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            text = key.strip()
+            if not (text.isascii() and text.isdigit()):
+                raise ValueError(f"keys must be token ids, got {key[:32]!r}")
+            if len(text) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"token id {text[:32]}... is outside the vocabulary")
         return value
 
     @property
