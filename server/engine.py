@@ -324,6 +324,11 @@ class Engine:
         timeout = request.timeout_s or self.request_timeout_s
         deadline = handle.submitted + timeout
         ids = list(request.prompt_ids)
+        if time.monotonic() > deadline:
+            # It spent its whole wall-clock budget in the queue: do not start work nobody can wait for.
+            log.warning("request %s hit its %g s wall-clock limit while queued", request.request_id, timeout)
+            handle._emit(self._finish(handle, "length", len(ids), 0, timed_out=True))
+            return
 
         # Prefix reuse: keep what the cache already holds of this prompt, but always recompute the
         # last prompt token: its logits are what the first sampled token comes from.
