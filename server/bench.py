@@ -184,71 +184,109 @@ def measure_prefix_reuse(root: Path) -> dict[str, float]:
     return results
 
 
-def measure_server(root: Path, tokens: int) -> dict[str, float]:
-    """Start `python -m server serve --graph null` as users do; time ready, RSS, per-token and TTFT overhead."""
-    import httpx
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime of all threads
 
-    port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null",
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}"
-    results: dict[str, float] = {}
-    try:
-        with httpx.Client(timeout=60) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-                try:
-                    if client.get(f"{base}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.02)
-            results["ready_s_without_graph"] = time.monotonic() - started
-            results["rss_mb_ready"] = _rss_mb(proc.pid)
 
-            words = "the quick brown fox jumps over the lazy dog " * 20
-            from transformers import AutoTokenizer
+class _Server:
+    """`python -m server serve --graph null` as users start it, on a free loopback port."""
 
-            tokenizer = AutoTokenizer.from_pretrained(root / "cfg")
-            ids = tokenizer(words, add_special_tokens=False)["input_ids"][:110]
-            prompt_120 = tokenizer.decode(ids)
+    def __init__(self, root: Path, step_ms: float = 0.0) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning", "--null-step-ms", str(step_ms)],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        import httpx
 
-            def stream(sampling: dict[str, float], content: str, max_tokens: int) -> tuple[float, list[float]]:
-                body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                        "stream": True, **sampling}
-                sent = time.perf_counter()
-                arrivals: list[float] = []
-                with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
-                    response.raise_for_status()
-                    for line in response.iter_lines():
-                        if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                            arrivals.append(time.perf_counter())
-                gaps = [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:], strict=False)]
-                return (arrivals[0] - sent) * 1000 if arrivals else float("nan"), gaps
+        self.client = httpx.Client(timeout=120)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ''}")
+            try:
+                if self.client.get(f"{self.base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        self.ready_s = time.monotonic() - started
 
-            stream(DEFAULT_SAMPLING, "warm up", 16)
-            for label, sampling in (("", DEFAULT_SAMPLING), ("_greedy", {"temperature": 0.0})):
-                gaps: list[float] = []
-                for _ in range(3):
-                    gaps += stream(sampling, "Write a long story.", tokens)[1]
-                results[f"host_overhead_ms_per_token_p50{label}"] = statistics.median(gaps)
-                results[f"host_overhead_ms_per_token_p99{label}"] = _percentile(gaps, 99)
-            ttfts = [stream(DEFAULT_SAMPLING, prompt_120, 1)[0] for _ in range(20)]
-            results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
-            results["ttft_prompt_tokens"] = len(ids)
-            results["rss_mb_after_streams"] = _rss_mb(proc.pid)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    def stream(self, sampling: dict[str, float], content: str, max_tokens: int) -> tuple[float, list[float], int]:
+        """(ms from request to first content chunk, ms gaps between content chunks, tokens)."""
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, **sampling}
+        sent = time.perf_counter()
+        arrivals: list[float] = []
+        tokens = 0
+        with self.client.stream("POST", f"{self.base}/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                    arrivals.append(time.perf_counter())
+                elif line.startswith("data: {") and '"usage":{' in line and '"choices":[]' in line:
+                    tokens = int(json.loads(line[6:])["usage"]["completion_tokens"])
+        gaps = [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        return ((arrivals[0] - sent) * 1000 if arrivals else float("nan")), gaps, tokens
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.proc.kill()
+
+
+SAMPLINGS = (("", DEFAULT_SAMPLING), ("_greedy", {"temperature": 0.0}))
+
+
+def measure_server(root: Path, tokens: int, step_ms: float = 30.0) -> dict[str, float]:
+    """Ready time, RSS, TTFT and host CPU per token with an instant graph; then per-token overhead on top of a
+    simulated `step_ms` device step (inter-token gap at the client minus the step)."""
+    from transformers import PreTrainedTokenizerFast
+
+    results: dict[str, float] = {}
+    server = _Server(root)
+    try:
+        results["ready_s_without_graph"] = server.ready_s
+        results["rss_mb_ready"] = _rss_mb(server.proc.pid)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(root / "cfg")
+        ids = tokenizer("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)["input_ids"]
+        chat_prompt = tokenizer.decode(ids[:110])  # + the template's turn markers: a ~120-token chat prompt
+        server.stream(DEFAULT_SAMPLING, "warm up", 16)
+        for label, sampling in SAMPLINGS:
+            cpu, generated, gaps = _cpu_seconds(server.proc.pid), 0, []
+            for _ in range(3):
+                _, more, n = server.stream(sampling, "Write a long story.", tokens)
+                gaps += more
+                generated += n
+            results[f"host_cpu_ms_per_token{label}"] = (_cpu_seconds(server.proc.pid) - cpu) * 1000 / max(generated, 1)
+            results[f"saturated_gap_ms_p50{label}"] = statistics.median(gaps)
+        ttfts = [server.stream(DEFAULT_SAMPLING, chat_prompt, 1)[0] for _ in range(20)]
+        results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompt}], add_generation_prompt=True,
+                                                  tokenize=False)
+        results["ttft_prompt_tokens"] = len(tokenizer(templated, add_special_tokens=False)["input_ids"])
+        results["rss_mb_after_streams"] = _rss_mb(server.proc.pid)
+    finally:
+        server.close()
+
+    server = _Server(root, step_ms)
+    try:
+        results["device_step_ms_simulated"] = step_ms
+        for label, sampling in SAMPLINGS:
+            gaps = []
+            for _ in range(2):
+                gaps += server.stream(sampling, "Write a long story.", min(tokens, 150))[1]
+            overhead = [gap - step_ms for gap in gaps]
+            results[f"host_overhead_ms_per_token_p50{label}"] = statistics.median(overhead)
+            results[f"host_overhead_ms_per_token_p99{label}"] = _percentile(overhead, 99)
+    finally:
+        server.close()
     return results
 
 

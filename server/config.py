@@ -42,6 +42,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
 def _graph_kind(text: str) -> str:
     if text not in GRAPH_KINDS:
         raise ValueError(f"must be one of {', '.join(GRAPH_KINDS)}, got {text!r}")
@@ -70,6 +77,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_body_bytes", "--max-body-bytes", "MAX_BODY_BYTES", _positive_int, 2 * 1024 * 1024,
            "largest accepted request body (413 beyond)"),
     Option("log_level", "--log-level", "LOG_LEVEL", str, "info", "logging level"),
+    Option("null_step_ms", "--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
+           "with --graph null: simulated device time per graph call, ms (benchmarks)"),
 )
 
 
@@ -90,6 +99,7 @@ class Settings:
     sse_ping_s: float = 15.0
     max_body_bytes: int = 2 * 1024 * 1024
     log_level: str = "info"
+    null_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _graph_kind(self.graph)

@@ -86,7 +86,7 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name())
 
 
-def graph_loader(host: Host, device: str = "cpu") -> Callable[[], Graph]:
+def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:
     """A zero-argument factory the engine calls on its own thread."""
     kind, spec, structure = host.graph_kind, host.spec, host.structure
 
@@ -114,7 +114,7 @@ def graph_loader(host: Host, device: str = "cpu") -> Callable[[], Graph]:
             favoured = host.tokenizer.get_vocab().get("▁a")  # text-like output instead of a random special token
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
                              input_dtype=_DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
-                             favoured_token=favoured)
+                             favoured_token=favoured, step_s=null_step_s)
         raise ValueError(f"unknown graph kind {kind!r}")
 
     return load
@@ -125,7 +125,7 @@ def build_engine(host: Host, settings: Settings) -> Engine:
         host.embedding,
         host.tokenizer,
         host.structure.eos_token_ids,
-        graph_loader(host, settings.device),
+        graph_loader(host, settings.device, settings.null_step_ms / 1000),
         max_queue=settings.max_queue,
         request_timeout_s=settings.request_timeout_s,
         step_timeout_s=settings.step_timeout_s,

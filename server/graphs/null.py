@@ -7,6 +7,8 @@ with a chosen token forced on top: by default the tokenizer's 'a' so generations
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -23,6 +25,7 @@ class NullGraph:
         host_softcap: float | None = None,
         favoured_token: int | None = None,
         seed: int = 0,
+        step_s: float = 0.0,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_total = max_total
@@ -35,11 +38,16 @@ class NullGraph:
             logits[favoured_token] = logits.max() + 4.0
         self._logits = logits
         self.calls = 0  # graph invocations, for prefill-reuse accounting in benchmarks and tests
+        # Simulated device time per call: the worker then waits like it waits on a NeuronCore (GIL released),
+        # so a benchmark sees the host's overhead on top of a device step, not a host spinning at 100%.
+        self.step_s = step_s
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         assert embeds.dim() == 3 and positions.shape == embeds.shape[:2], "embeds [1,T,H], positions [1,T]"
         assert int(positions[0, -1]) < self.max_total, "position beyond max_total"
         self.calls += 1
+        if self.step_s > 0:
+            time.sleep(self.step_s)
         t = 1 if last_only else embeds.shape[1]
         return self._logits.view(1, 1, -1).expand(1, t, -1)  # [1, T, V] (a view: no per-call allocation)
 

@@ -1,0 +1,44 @@
+"""`python -m server bench` runs end to end and reports every figure (the numbers themselves are not asserted:
+speed is proven by running the benchmark, not by timed unit tests). Structural facts are asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models import CACHE
+
+KEYS = {
+    "host_overhead_ms_per_token_p50", "host_overhead_ms_per_token_p99",
+    "host_overhead_ms_per_token_p50_greedy", "host_overhead_ms_per_token_p99_greedy",
+    "ttft_host_overhead_ms_p50", "sampling_ms_default", "sampling_ms_full_sort_top_p", "sampling_ms_greedy",
+    "ready_s_without_graph", "rss_mb_ready", "prefill_calls_turn3", "prefill_calls_turn3_no_reuse",
+    "host_cpu_ms_per_token",
+}
+
+
+@pytest.mark.slow
+def test_bench_reports_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "--tokens", "24", "--json", str(out), "--cache-dir", str(CACHE)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results  # the last line printed is the JSON
+    missing = KEYS - set(results)
+    assert not missing, missing
+    assert all(math.isfinite(v) for v in results.values() if isinstance(v, float))
+    # Prefix reuse: turn 3 prefills only its new tokens, ceil(new / BUCKET) calls, fewer than without reuse.
+    assert results["prefill_calls_turn3"] == results["turn3_expected_calls"]
+    assert results["prefill_calls_turn3"] < results["prefill_calls_turn3_no_reuse"]
+    assert results["turn3_reused_tokens"] > 0
+    # The real-size table is memory-mapped, not read: resident memory stays below the table's 1.48 GB.
+    assert results["rss_mb_ready"] < 1400
