@@ -111,10 +111,14 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
         if kind == "null":
             from server.graphs.null import NullGraph
 
-            favoured = host.tokenizer.get_vocab().get("▁a")  # text-like output instead of a random special token
+            vocab = host.tokenizer.get_vocab()
+            favoured = vocab.get("▁a")  # greedy: text-like output instead of a random special token
+            # Sampled: ordinary lower-case words (" word"), so every sampled token is a visible chunk of text.
+            words = sorted(i for t, i in vocab.items() if 4 <= len(t) <= 8 and t[0] == "▁" and t[1:].isascii()
+                           and t[1:].isalpha() and t[1:].islower())[:63]
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
                              input_dtype=_DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
-                             favoured_token=favoured, step_s=null_step_s)
+                             favoured_token=favoured, text_tokens=words, step_s=null_step_s)
         raise ValueError(f"unknown graph kind {kind!r}")
 
     return load

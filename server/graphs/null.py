@@ -2,12 +2,14 @@
 
 For benchmarks of the host (everything but the device) and for engine tests that need real shapes.
 The logits are a fixed random pattern (seeded), so sampling does real work over a realistic distribution,
-with a chosen token forced on top: by default the tokenizer's 'a' so generations are text, not specials.
+with a chosen token forced on top (greedy always picks it: the tokenizer's 'a') and a set of ordinary word
+tokens lifted just below it, so sampled generations are text too (every token shows up as a chunk).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -24,6 +26,7 @@ class NullGraph:
         input_dtype: torch.dtype = torch.float32,
         host_softcap: float | None = None,
         favoured_token: int | None = None,
+        text_tokens: Sequence[int] = (),
         seed: int = 0,
         step_s: float = 0.0,
     ) -> None:
@@ -34,8 +37,12 @@ class NullGraph:
         self.host_softcap = host_softcap
         generator = torch.Generator().manual_seed(seed)
         logits = torch.randn(vocab_size, generator=generator) * 2.0  # [V]
+        top = float(logits.max())
+        if text_tokens:
+            lift = torch.linspace(1.0, 3.0, len(text_tokens))  # [n] a spread, so top-p has something to cut
+            logits[torch.tensor(list(text_tokens), dtype=torch.long)] = top + lift
         if favoured_token is not None:
-            logits[favoured_token] = logits.max() + 4.0
+            logits[favoured_token] = top + 4.0
         self._logits = logits
         self.calls = 0  # graph invocations, for prefill-reuse accounting in benchmarks and tests
         # Simulated device time per call: the worker then waits like it waits on a NeuronCore (GIL released),
