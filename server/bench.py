@@ -25,6 +25,7 @@ import torch
 
 VOCAB, HIDDEN, MAX_TOTAL, BUCKET = 262_144, 2816, 512, 128
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+SAMPLINGS = (("", DEFAULT_SAMPLING), ("_greedy", {"temperature": 0.0}))
 
 # The Gemma-4 26B-A4B text config (facts of the published build); only its shapes matter here.
 CONFIG_26B: dict[str, Any] = {
@@ -135,6 +136,36 @@ def measure_sampling(repeats: int = 200) -> dict[str, float]:
     return results
 
 
+def measure_engine(root: Path, tokens: int) -> dict[str, float]:
+    """The engine alone (no HTTP): per-token gap between events, instant null graph, in this process."""
+    from server.engine import Delta, Engine, GenerationRequest
+    from server.runtime import graph_loader, load_host
+    from server.sampling import SamplingParams
+
+    host = load_host(root, "null")
+    graph = graph_loader(host)()
+    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, lambda: graph)
+    engine.start()
+    while engine.state == "loading":
+        time.sleep(0.01)
+    results: dict[str, float] = {}
+    try:
+        async def go(params: SamplingParams) -> list[float]:
+            handle = engine.submit(GenerationRequest((2, 651, 1000), tokens, params))
+            arrivals = [time.perf_counter() async for event in handle.events()
+                        if isinstance(event, Delta) and event.token_id is not None]
+            return [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
+        for label, sampling in SAMPLINGS:
+            params = SamplingParams(**sampling)
+            gaps = asyncio.run(go(params)) + asyncio.run(go(params))
+            results[f"engine_ms_per_token_p50{label}"] = statistics.median(gaps)
+            results[f"engine_ms_per_token_p99{label}"] = _percentile(gaps, 99)
+    finally:
+        engine.stop()
+    return results
+
+
 def measure_prefix_reuse(root: Path) -> dict[str, float]:
     """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
     from server.engine import Delta, Engine, GenerationRequest
@@ -241,9 +272,6 @@ class _Server:
             self.proc.kill()
 
 
-SAMPLINGS = (("", DEFAULT_SAMPLING), ("_greedy", {"temperature": 0.0}))
-
-
 def measure_server(root: Path, tokens: int, step_ms: float = 30.0) -> dict[str, float]:
     """Ready time, RSS, TTFT and host CPU per token with an instant graph; then per-token overhead on top of a
     simulated `step_ms` device step (inter-token gap at the client minus the step)."""
@@ -295,6 +323,7 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
     results: dict[str, float] = {"vocab": VOCAB, "hidden": HIDDEN, "max_total": MAX_TOTAL, "bucket": BUCKET,
                                  "threads": torch.get_num_threads()}
     results.update(measure_sampling())
+    results.update(measure_engine(root, tokens))
     results.update(measure_prefix_reuse(root))
     results.update(measure_server(root, tokens))
     width = max(len(k) for k in results)

@@ -149,8 +149,12 @@ class Engine:
         self.step_timeout_s = step_timeout_s
         self.prefix_reuse = prefix_reuse  # off only to measure what it saves
 
-        self.state = "loading"  # loading | ok | error | draining
-        self.state_reason = ""
+        # What /health reports is derived from these, so no transition can undo another (a stall that
+        # recovers during a drain must leave the server draining).
+        self._loaded = False
+        self._load_error: str | None = None
+        self._stall: str | None = None  # set while a graph call is abandoned by the watchdog
+        self._draining = False
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._cond = threading.Condition()
         self._admitted = 0  # queued + running: what --max-queue bounds
@@ -183,7 +187,25 @@ class Engine:
 
     def drain(self) -> None:
         """Stop admitting; in-flight and queued requests run to completion."""
-        self.state, self.state_reason = "draining", "shutting down"
+        self._draining = True
+
+    @property
+    def state(self) -> str:
+        """loading | ok | error | draining"""
+        if self._load_error is not None:
+            return "error"
+        if self._draining:
+            return "draining"
+        if not self._loaded:
+            return "loading"
+        return "error" if self._stall is not None else "ok"
+
+    @property
+    def state_reason(self) -> str:
+        state = self.state
+        if state == "error":
+            return self._load_error or self._stall or ""
+        return "shutting down" if state == "draining" else ""
 
     @property
     def ready(self) -> bool:
@@ -210,9 +232,10 @@ class Engine:
     # ----------------------------------------------------------------- admission (event-loop side)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        if self.state != "ok":
-            raise APIError(503, f"The model is not ready: {self.state}{': ' + self.state_reason if self.state_reason else ''}",
-                           code="model_" + self.state, headers={"Retry-After": "5"})
+        state, reason = self.state, self.state_reason
+        if state != "ok":
+            raise APIError(503, f"The model is not ready: {state}{': ' + reason if reason else ''}",
+                           code="model_" + state, headers={"Retry-After": "5"})
         assert self.graph is not None
         assert 0 < len(request.prompt_ids) < self.graph.max_total, "the HTTP layer checks the context budget"
         handle = RequestHandle(request, asyncio.get_running_loop())
@@ -231,15 +254,14 @@ class Engine:
             self.graph = self._load_graph()
         except Exception as exc:  # noqa: BLE001 - any load failure is reported on /health, never raised into the void
             log.exception("graph failed to load")
-            self.state, self.state_reason = "error", f"graph failed to load: {type(exc).__name__}: {exc}"
+            self._load_error = f"graph failed to load: {type(exc).__name__}: {exc}"
             return
         # Everything built so far (transformers' modules, the tokenizer, the graph) lives as long as the process.
         # Freezing it out of the collector's generations stops full collections from walking those millions of
         # objects in the middle of a stream (they were the p99 of the per-token host overhead).
         gc.collect()
         gc.freeze()
-        if self.state == "loading":
-            self.state = "ok"
+        self._loaded = True
         log.info("graph ready: %s, max_total=%d, bucket=%d", self.graph.name, self.graph.max_total,
                  self.graph.prefill_bucket)
         while True:
@@ -274,8 +296,7 @@ class Engine:
                     self._admitted -= 1
                 if self._abandoned:
                     self._abandoned = False
-                    if self.state == "error":
-                        self.state, self.state_reason = "ok", ""
+                    self._stall = None
 
     def _reset_cache(self) -> None:
         self._cached = []
@@ -296,9 +317,22 @@ class Engine:
             raise _Abandoned
         return logits
 
+    def _expire_queued(self) -> None:
+        """Queued requests past their wall-clock limit end now, even while the device is stuck on another."""
+        now = time.monotonic()
+        with self._cond:
+            expired = [h for h in self._queue if now > h.submitted + (h.request.timeout_s or self.request_timeout_s)]
+            for handle in expired:
+                self._queue.remove(handle)
+                self._admitted -= 1
+        for handle in expired:
+            log.warning("request %s hit its wall-clock limit while queued", handle.request.request_id)
+            handle._emit(self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
+
     def _watchdog(self) -> None:
         while not self._stopping:
             time.sleep(min(0.25, self.step_timeout_s / 4))
+            self._expire_queued()
             started, handle = self._step_started, self._running
             if started is None or handle is None or self._abandoned:
                 continue
@@ -307,7 +341,7 @@ class Engine:
                 message = f"graph call exceeded the {self.step_timeout_s:g} s step timeout"
                 log.error("request %s: %s; the device is marked unhealthy until it returns",
                           handle.request.request_id, message)
-                self.state, self.state_reason = "error", message
+                self._stall = message
                 handle._emit(self._finish(handle, "error", len(handle.request.prompt_ids), 0, error=message))
 
     def _finish(self, handle: RequestHandle, reason: str, prompt: int, completion: int, **extra: object) -> Finish:

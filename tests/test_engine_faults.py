@@ -125,3 +125,70 @@ def test_stop_finishes_queued_requests_instead_of_leaving_them_waiting() -> None
     finishes = asyncio.run(asyncio.wait_for(scenario(), 20))
     assert [f.reason for f in finishes] == ["cancelled"] * 3
     assert engine.admitted == 0
+
+
+def test_queued_requests_expire_while_the_device_is_stuck() -> None:
+    release = threading.Event()
+    graph = SlowGraph(null_graph(), 0.0)
+    inner_forward = graph.forward
+
+    def stuck(*args: object, **kwargs: object) -> object:
+        release.wait(30)
+        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    graph.forward = stuck  # type: ignore[method-assign]
+    engine = started(lambda: graph, step_timeout_s=60.0)
+
+    async def scenario() -> Finish:
+        engine.submit(GenerationRequest((2, 100), 4, GREEDY))  # runs, and hangs in the device
+        await asyncio.sleep(0.1)
+        queued = engine.submit(GenerationRequest((2, 100), 4, GREEDY, timeout_s=0.5))
+        async for event in queued.events():
+            if isinstance(event, Finish):
+                return event
+        raise AssertionError("no Finish")
+
+    try:
+        began = time.monotonic()
+        finish = asyncio.run(asyncio.wait_for(scenario(), 10))
+        assert finish.reason == "length" and finish.timed_out and finish.completion_tokens == 0
+        assert time.monotonic() - began < 3
+        assert engine.queue_depth == 0
+    finally:
+        release.set()
+        engine.stop()
+
+
+def test_a_stall_that_recovers_during_a_drain_leaves_the_server_draining() -> None:
+    release = threading.Event()
+    graph = SlowGraph(null_graph(), 0.0)
+    inner_forward = graph.forward
+
+    def stalling(*args: object, **kwargs: object) -> object:
+        release.wait(30)
+        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    graph.forward = stalling  # type: ignore[method-assign]
+    engine = started(lambda: graph, step_timeout_s=0.3)
+
+    async def scenario() -> None:
+        handle = engine.submit(GenerationRequest((2, 100), 4, GREEDY))
+        async for event in handle.events():
+            if isinstance(event, Finish):
+                assert event.reason == "error"
+        assert engine.state == "error"
+        engine.drain()
+        assert engine.state == "draining"
+        release.set()
+        deadline = time.monotonic() + 5
+        while engine.admitted and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 20))
+        assert engine.state == "draining"
+        with pytest.raises(Exception, match="draining"):
+            asyncio.run(collect(engine))
+    finally:
+        release.set()
+        engine.stop()

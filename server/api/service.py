@@ -53,7 +53,8 @@ class Service:
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+            shown = model if len(model) <= 200 else model[:200] + "..."  # never echo a 2 MB "model" back
+            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         return self.model_name
 
