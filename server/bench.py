@@ -168,7 +168,7 @@ def measure_engine(root: Path, tokens: int) -> dict[str, float]:
 
 def measure_prefix_reuse(root: Path) -> dict[str, float]:
     """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
-    from server.engine import Delta, Engine, GenerationRequest
+    from server.engine import Completion, Engine, GenerationRequest
     from server.graphs.null import NullGraph
     from server.runtime import load_host
     from server.sampling import SamplingParams
@@ -192,17 +192,11 @@ def measure_prefix_reuse(root: Path) -> dict[str, float]:
             text = host.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompt = host.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has the BOS
 
-            async def go(ids: list[int] = prompt, engine: Engine = engine) -> tuple[str, Any]:
-                handle = engine.submit(GenerationRequest(tuple(ids), 40, SamplingParams(temperature=0.0)))
-                text = ""
-                async for event in handle.events():
-                    if isinstance(event, Delta):
-                        text += event.text
-                    else:
-                        return text, event
-                raise AssertionError("no finish")
+            async def go(ids: list[int] = prompt, engine: Engine = engine) -> Completion:
+                return await engine.submit(GenerationRequest(tuple(ids), 40, SamplingParams(temperature=0.0))).result()
 
-            text, finish = asyncio.run(go())
+            completion = asyncio.run(go())
+            text, finish = completion.text, completion.finish
             messages.append({"role": "assistant", "content": text})
             if turn == 3:
                 key = "prefill_calls_turn3" if reuse else "prefill_calls_turn3_no_reuse"

@@ -80,6 +80,15 @@ class Finish:
 Event = Delta | Finish
 
 
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation: its text, its token ids (eos included when it stopped there), and how it ended."""
+
+    text: str
+    token_ids: list[int]
+    finish: Finish
+
+
 class QueueFull(APIError):
     def __init__(self, limit: int) -> None:
         super().__init__(
@@ -118,6 +127,18 @@ class RequestHandle:
             yield event
             if isinstance(event, Finish):
                 return
+
+    async def result(self) -> Completion:
+        """Wait for the whole generation (non-streaming callers)."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        async for event in self.events():
+            if isinstance(event, Finish):
+                return Completion("".join(text), token_ids, event)
+            text.append(event.text)
+            if event.token_id is not None:
+                token_ids.append(event.token_id)
+        raise AssertionError("the event stream ended without a Finish")
 
 
 class _Abandoned(Exception):

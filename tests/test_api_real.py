@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from server.engine import Delta, Finish, GenerationRequest
+from server.engine import Completion, GenerationRequest
 from server.sampling import SamplingParams
 from tests.api_fixtures import LiveServer, hf_host, live_server, make_engine, settings
 
@@ -48,17 +48,11 @@ def test_chat_through_the_api_equals_the_engine_directly(real: LiveServer, clien
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    async def direct() -> tuple[str, Finish]:
-        handle = real.engine.submit(GenerationRequest(ids, 6, SamplingParams(temperature=0.0)))
-        out = ""
-        async for event in handle.events():
-            if isinstance(event, Delta):
-                out += event.text
-            else:
-                return out, event
-        raise AssertionError("no Finish")
+    async def direct() -> Completion:
+        return await real.engine.submit(GenerationRequest(ids, 6, SamplingParams(temperature=0.0))).result()
 
-    engine_text, finish = asyncio.run(direct())
+    completion = asyncio.run(direct())
+    engine_text, finish = completion.text, completion.finish
     assert api_text == engine_text and r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (finish.prompt_tokens, finish.completion_tokens)
     # and streaming gives the same text too

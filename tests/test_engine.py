@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine import Delta, Engine, Finish, GenerationRequest
+from server.engine import Completion, Engine, Finish, GenerationRequest
 from server.export import export
 from server.graphs.base import Graph
 from server.runtime import Host, graph_loader, load_host
@@ -57,21 +57,12 @@ def start_engine(host: Host, graph: Graph | None = None) -> Engine:
 def run(engine: Engine, prompt: list[int], max_new_tokens: int, **fields: object) -> tuple[list[int], str, Finish]:
     """Submit one request; return (generated ids, text, finish)."""
 
-    async def go() -> tuple[list[int], str, Finish]:
+    async def go() -> Completion:
         request = GenerationRequest(tuple(prompt), max_new_tokens, **fields)  # type: ignore[arg-type]
-        handle = engine.submit(request)
-        ids: list[int] = []
-        text = ""
-        async for event in handle.events():
-            if isinstance(event, Delta):
-                text += event.text
-                if event.token_id is not None:
-                    ids.append(event.token_id)
-            else:
-                return ids, text, event
-        raise AssertionError("no Finish event")
+        return await engine.submit(request).result()
 
-    return asyncio.run(go())
+    completion = asyncio.run(go())
+    return completion.token_ids, completion.text, completion.finish
 
 
 def generate_ids(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

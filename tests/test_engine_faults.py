@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from server.engine import Delta, Engine, Finish, GenerationRequest
+from server.engine import Engine, Finish, GenerationRequest
 from server.graphs.null import NullGraph
 from server.sampling import SamplingParams
 from tests.api_fixtures import SlowGraph, null_host
@@ -36,14 +36,21 @@ def started(load: object, **kwargs: object) -> Engine:
 
 
 async def collect(engine: Engine, n: int = 8) -> tuple[str, Finish]:
-    handle = engine.submit(GenerationRequest((2, 100, 200), n, GREEDY))
-    text = ""
-    async for event in handle.events():
-        if isinstance(event, Delta):
-            text += event.text
-        else:
-            return text, event
-    raise AssertionError("no Finish")
+    completion = await engine.submit(GenerationRequest((2, 100, 200), n, GREEDY)).result()
+    return completion.text, completion.finish
+
+
+def stuck_until(release: threading.Event) -> SlowGraph:
+    """A null graph whose every call waits for `release`: a device that stopped answering."""
+    graph = SlowGraph(null_graph(), 0.0)
+    inner_forward = graph.forward
+
+    def stuck(*args: object, **kwargs: object) -> object:
+        release.wait(30)
+        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    graph.forward = stuck  # type: ignore[method-assign]
+    return graph
 
 
 def test_a_graph_that_raises_ends_that_request_and_the_next_one_runs() -> None:
@@ -129,14 +136,7 @@ def test_stop_finishes_queued_requests_instead_of_leaving_them_waiting() -> None
 
 def test_queued_requests_expire_while_the_device_is_stuck() -> None:
     release = threading.Event()
-    graph = SlowGraph(null_graph(), 0.0)
-    inner_forward = graph.forward
-
-    def stuck(*args: object, **kwargs: object) -> object:
-        release.wait(30)
-        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
-
-    graph.forward = stuck  # type: ignore[method-assign]
+    graph = stuck_until(release)
     engine = started(lambda: graph, step_timeout_s=60.0)
 
     async def scenario() -> Finish:
@@ -161,14 +161,7 @@ def test_queued_requests_expire_while_the_device_is_stuck() -> None:
 
 def test_a_stall_that_recovers_during_a_drain_leaves_the_server_draining() -> None:
     release = threading.Event()
-    graph = SlowGraph(null_graph(), 0.0)
-    inner_forward = graph.forward
-
-    def stalling(*args: object, **kwargs: object) -> object:
-        release.wait(30)
-        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
-
-    graph.forward = stalling  # type: ignore[method-assign]
+    graph = stuck_until(release)
     engine = started(lambda: graph, step_timeout_s=0.3)
 
     async def scenario() -> None:

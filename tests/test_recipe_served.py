@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from server.engine import Delta, Engine, Finish, GenerationRequest
+from server.engine import Completion, Engine, Finish, GenerationRequest
 from server.runtime import Host, graph_loader, load_host
 from server.sampling import SamplingParams
 from tests.models import tokenizer_dir
@@ -53,17 +53,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, reference: torch.nn.Module)
 
 
 def run(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], Finish]:
-    async def go() -> tuple[list[int], Finish]:
-        handle = engine.submit(GenerationRequest(tuple(prompt), n, SamplingParams(temperature=0.0)))
-        ids: list[int] = []
-        async for event in handle.events():
-            if isinstance(event, Delta) and event.token_id is not None:
-                ids.append(event.token_id)
-            elif isinstance(event, Finish):
-                return ids, event
-        raise AssertionError("no Finish")
+    async def go() -> Completion:
+        return await engine.submit(GenerationRequest(tuple(prompt), n, SamplingParams(temperature=0.0))).result()
 
-    return asyncio.run(go())
+    completion = asyncio.run(go())
+    return completion.token_ids, completion.finish
 
 
 def expected(reference: torch.nn.Module, prompt: list[int], n: int, eos: frozenset[int]) -> list[int]:
