@@ -12,13 +12,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import torch
 import uvicorn
 
@@ -146,3 +152,39 @@ def live_server(config: Settings, engine: Engine | None = None, host: Host | Non
         yield server
     finally:
         server.stop()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn_serve(*args: str, timeout: float = 120) -> tuple[subprocess.Popen[str], str]:
+    """`python -m server serve --graph null` on the demo artifacts, as a real process; returns once /health is ok.
+
+    Output (stdout and stderr) is captured as text for the test to read after the process ends."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--artifacts", str(demo_dir()), "--graph", "null",
+         "--port", str(port), *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.communicate()[0][-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the server never became healthy:\n{proc.communicate()[0][-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)

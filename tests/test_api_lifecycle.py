@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,10 +21,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from server.api.serve import serve
 from server.graphs.base import Graph
 from server.runtime import graph_loader
-from tests.api_fixtures import LiveServer, make_engine, null_host, settings, slow_loader
-from tests.models import demo_dir
+from tests.api_fixtures import LiveServer, make_engine, null_host, settings, slow_loader, spawn_serve
 
-ROOT = Path(__file__).resolve().parents[1]
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
 
@@ -142,33 +136,10 @@ def test_serve_returns_1_on_an_invalid_artifact_dir(tmp_path: Path, capsys: pyte
     assert str(tmp_path) in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--artifacts", str(demo_dir()), "--graph", "null",
-         "--port", str(port), "--shutdown-grace", "20", "--log-level", "info"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, url = spawn_serve("--shutdown-grace", "20", "--log-level", "info")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
         # 600 sampled tokens over the whole vocabulary with logprobs: a few seconds of work on any host
         body = {"prompt": "Hi", "max_tokens": 600, "temperature": 1.0, "logprobs": 5, "stream": True,
                 "stream_options": {"include_usage": True}}

@@ -15,25 +15,18 @@ happy SIGTERM drain in tests/test_api_lifecycle.py):
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from server.graphs.base import Graph
 from server.runtime import graph_loader
-from tests.api_fixtures import LiveServer, SlowGraph, make_engine, null_host, settings, slow_loader
-from tests.models import demo_dir
+from tests.api_fixtures import LiveServer, SlowGraph, make_engine, null_host, settings, slow_loader, spawn_serve
 
-ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "Hi"}]
 STEP_TIMEOUT_S = 0.8
 
@@ -256,34 +249,11 @@ def test_a_stalled_graph_call_fails_its_request_in_time_and_health_recovers_when
 # ------------------------------------------------------------------------------------- SIGTERM past the grace
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_sigterm_with_a_stream_longer_than_the_grace_cancels_it_in_band_and_exits_0() -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     grace = 1.0
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--artifacts", str(demo_dir()), "--graph", "null",
-         "--port", str(port), "--shutdown-grace", str(grace), "--log-level", "info"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, url = spawn_serve("--shutdown-grace", str(grace), "--log-level", "info")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
         # ~1000 sampled tokens with logprobs over the whole vocabulary: many seconds, far past the grace
         body = {"prompt": "Hi", "max_tokens": 1000, "temperature": 1.0, "logprobs": 5, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
