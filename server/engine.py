@@ -338,17 +338,25 @@ class Engine:
             raise _Abandoned
         return logits
 
+    def _deadline(self, handle: RequestHandle) -> float:
+        """The request's wall-clock limit, counted from submission (queue time included)."""
+        return handle.submitted + (handle.request.timeout_s or self.request_timeout_s)
+
+    def _expire(self, handle: RequestHandle) -> None:
+        """End a request whose limit ran out before it reached the device: no work nobody can wait for."""
+        log.warning("request %s hit its wall-clock limit while queued", handle.request.request_id)
+        handle._emit(self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
+
     def _expire_queued(self) -> None:
         """Queued requests past their wall-clock limit end now, even while the device is stuck on another."""
         now = time.monotonic()
         with self._cond:
-            expired = [h for h in self._queue if now > h.submitted + (h.request.timeout_s or self.request_timeout_s)]
+            expired = [h for h in self._queue if now > self._deadline(h)]
             for handle in expired:
                 self._queue.remove(handle)
                 self._admitted -= 1
         for handle in expired:
-            log.warning("request %s hit its wall-clock limit while queued", handle.request.request_id)
-            handle._emit(self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
+            self._expire(handle)
 
     def _watchdog(self) -> None:
         while not self._stopping:
@@ -376,13 +384,10 @@ class Engine:
         assert graph is not None
         request = handle.request
         handle.started = time.monotonic()
-        timeout = request.timeout_s or self.request_timeout_s
-        deadline = handle.submitted + timeout
+        deadline = self._deadline(handle)
         ids = list(request.prompt_ids)
-        if time.monotonic() > deadline:
-            # It spent its whole wall-clock budget in the queue: do not start work nobody can wait for.
-            log.warning("request %s hit its %g s wall-clock limit while queued", request.request_id, timeout)
-            handle._emit(self._finish(handle, "length", len(ids), 0, timed_out=True))
+        if time.monotonic() > deadline:  # it ran out between two watchdog sweeps of the queue
+            self._expire(handle)
             return
 
         # Prefix reuse: keep what the cache already holds of this prompt, but always recompute the
@@ -443,7 +448,7 @@ class Engine:
             if time.monotonic() > deadline:
                 timed_out = True
                 log.warning("request %s hit its %g s wall-clock limit after %d tokens",
-                            request.request_id, timeout, generated)
+                            request.request_id, deadline - handle.submitted, generated)
                 break
             if handle.cancelled.is_set():
                 reason = "cancelled"
