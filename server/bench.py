@@ -19,9 +19,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from server.engine import Engine
+    from server.runtime import Host
 
 VOCAB, HIDDEN, MAX_TOTAL, BUCKET = 262_144, 2816, 512, 128
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
@@ -136,18 +140,26 @@ def measure_sampling(repeats: int = 200) -> dict[str, float]:
     return results
 
 
-def measure_engine(root: Path, tokens: int) -> dict[str, float]:
-    """The engine alone (no HTTP): per-token gap between events, instant null graph, in this process."""
-    from server.engine import Delta, Engine, GenerationRequest
-    from server.runtime import graph_loader, load_host
-    from server.sampling import SamplingParams
+def _running_engine(host: Host, *, prefix_reuse: bool = True) -> Engine:
+    """An engine on the host's null graph (as `serve --graph null` builds it), loaded and ready."""
+    from server.engine import Engine
+    from server.runtime import graph_loader
 
-    host = load_host(root, "null")
     graph = graph_loader(host)()
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, lambda: graph)
+    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, lambda: graph,
+                    prefix_reuse=prefix_reuse)
     engine.start()
     while engine.state == "loading":
         time.sleep(0.01)
+    return engine
+
+
+def measure_engine(host: Host, tokens: int) -> dict[str, float]:
+    """The engine alone (no HTTP): per-token gap between events, instant null graph, in this process."""
+    from server.engine import Delta, GenerationRequest
+    from server.sampling import SamplingParams
+
+    engine = _running_engine(host)
     results: dict[str, float] = {}
     try:
         async def go(params: SamplingParams) -> list[float]:
@@ -166,23 +178,14 @@ def measure_engine(root: Path, tokens: int) -> dict[str, float]:
     return results
 
 
-def measure_prefix_reuse(root: Path) -> dict[str, float]:
+def measure_prefix_reuse(host: Host) -> dict[str, float]:
     """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
-    from server.engine import Completion, Engine, GenerationRequest
-    from server.graphs.null import NullGraph
-    from server.runtime import load_host
+    from server.engine import Completion, GenerationRequest
     from server.sampling import SamplingParams
 
-    host = load_host(root, "null")
     results: dict[str, float] = {}
     for reuse in (True, False):
-        graph = NullGraph(VOCAB, max_total=MAX_TOTAL, prefill_bucket=BUCKET, host_softcap=30.0,
-                          favoured_token=host.tokenizer.get_vocab().get("▁a"))
-        engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, lambda g=graph: g,
-                        prefix_reuse=reuse)
-        engine.start()
-        while engine.state == "loading":
-            time.sleep(0.01)
+        engine = _running_engine(host, prefix_reuse=reuse)
         messages: list[dict[str, str]] = []
         questions = ["Tell me about the Inferentia2 chip in a few sentences, please. " * 4,
                      "And how does its memory compare with a GPU of the same price class?",
@@ -266,17 +269,14 @@ class _Server:
             self.proc.kill()
 
 
-def measure_server(root: Path, tokens: int, step_ms: float = 30.0) -> dict[str, float]:
+def measure_server(root: Path, tokenizer: Any, tokens: int, step_ms: float = 30.0) -> dict[str, float]:
     """Ready time, RSS, TTFT and host CPU per token with an instant graph; then per-token overhead on top of a
     simulated `step_ms` device step (inter-token gap at the client minus the step)."""
-    from transformers import PreTrainedTokenizerFast
-
     results: dict[str, float] = {}
     server = _Server(root)
     try:
         results["ready_s_without_graph"] = server.ready_s
         results["rss_mb_ready"] = _rss_mb(server.proc.pid)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(root / "cfg")
         ids = tokenizer("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)["input_ids"]
         chat_prompt = tokenizer.decode(ids[:110])  # + the template's turn markers: a ~120-token chat prompt
         server.stream(DEFAULT_SAMPLING, "warm up", 16)
@@ -316,10 +316,13 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
     root = bench_artifacts(cache_root)
     results: dict[str, float] = {"vocab": VOCAB, "hidden": HIDDEN, "max_total": MAX_TOTAL, "bucket": BUCKET,
                                  "threads": torch.get_num_threads()}
+    from server.runtime import load_host
+
+    host = load_host(root, "null")  # once, for the in-process parts (each server below loads its own)
     results.update(measure_sampling())
-    results.update(measure_engine(root, tokens))
-    results.update(measure_prefix_reuse(root))
-    results.update(measure_server(root, tokens))
+    results.update(measure_engine(host, tokens))
+    results.update(measure_prefix_reuse(host))
+    results.update(measure_server(root, host.tokenizer, tokens))
     width = max(len(k) for k in results)
     print(f"{'metric':<{width}}  value")
     for key, value in results.items():

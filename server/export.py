@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from server.artifacts import CFG_DIR, GRAPH_JSON, HF_DIR, GraphSpec
+from server.graphs.base import DTYPES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Gemma's turn format (system text folds into the first user turn, as Gemma's own templates do).
 GEMMA_CHAT_TEMPLATE = (
@@ -52,7 +52,7 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     source, dest = Path(source), Path(dest)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     spec = GraphSpec(max_total=max_total, prefill_bucket=prefill_bucket, input_dtype=dtype,
                      softcap_in_graph=True, graph_file=None, tp=1)  # validates the numbers
     GraphSpec.from_json(spec.to_json())

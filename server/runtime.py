@@ -18,12 +18,11 @@ from server.artifacts import ArtifactDir, GraphSpec, validate
 from server.config import Settings
 from server.embedding import HostEmbedding
 from server.engine import Engine
-from server.graphs.base import Graph
+from server.graphs.base import DTYPES, Graph
 from server.structure import ModelStructure
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +80,7 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     tokenizer = load_tokenizer(art.cfg)
     embed_file = art.embed_file
     assert embed_file is not None  # validate() checked
-    embedding = HostEmbedding.open(embed_file, structure.embed_scale, _DTYPES[spec.input_dtype])
+    embedding = HostEmbedding.open(embed_file, structure.embed_scale, DTYPES[spec.input_dtype])
     release_freed_memory()
     return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name())
 
@@ -117,7 +116,7 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
             words = sorted(i for t, i in vocab.items() if 4 <= len(t) <= 8 and t[0] == "▁" and t[1:].isascii()
                            and t[1:].isalpha() and t[1:].islower())[:63]
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
-                             input_dtype=_DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
+                             input_dtype=DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
                              favoured_token=favoured, text_tokens=words, step_s=null_step_s)
         raise ValueError(f"unknown graph kind {kind!r}")
 

@@ -13,6 +13,9 @@ from typing import Protocol
 
 import torch
 
+# graph.json's `input_dtype` (and `export --dtype`) names -> torch dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class Graph(Protocol):
     max_total: int  # KV slots: prompt + completion never exceed this

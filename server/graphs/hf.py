@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from server.artifacts import GraphSpec
+from server.graphs.base import DTYPES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFGraph:
@@ -27,7 +27,7 @@ class HFGraph:
         from transformers import AutoModelForCausalLM, StaticCache
 
         self.device = torch.device(device)
-        dtype = _DTYPES[spec.input_dtype]
+        dtype = DTYPES[spec.input_dtype]
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(self.device).eval()
         config = self.model.config.get_text_config()
         self.max_total = spec.max_total

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from server.artifacts import GraphSpec
+from server.graphs.base import DTYPES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def import_neuron_runtime() -> str | None:
@@ -78,7 +78,7 @@ class JitGraph:
             self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
         self.max_total = spec.max_total
         self.prefill_bucket = spec.prefill_bucket
-        self.input_dtype = _DTYPES[spec.input_dtype]
+        self.input_dtype = DTYPES[spec.input_dtype]
         self.vocab_size = vocab_size
         self.host_softcap = None if spec.softcap_in_graph else final_softcap
         self.inputs = ContractInputs(spec.max_total, sliding_window, self.input_dtype)
