@@ -27,7 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="serve the embedded Gemma-3 270M on CPU (exported once into a cache)")
     add_options(demo, names=tuple(n for n in Settings.__slots__ if n not in ("artifacts", "graph")))
-    demo.add_argument("--cache-dir", default=None, help=f"export cache (default {DEFAULT_CACHE}) [env GEMMA4_OPTB_CACHE]")
 
     check = sub.add_parser("check", help="exit 0 if the artifact directory is complete for the graph, else say why")
     check.add_argument("--artifacts", required=True, type=Path)
@@ -100,13 +99,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _setup_logging(settings.log_level)
+    from dataclasses import replace
 
+    if settings.cache_dir is None:
+        settings = replace(settings, cache_dir=_cache_root(None, environ))
     if args.command == "demo":
-        from dataclasses import replace
-
         from server.demo import demo_artifacts
 
-        root = demo_artifacts(_cache_root(args.cache_dir, environ))
+        root = demo_artifacts(settings.cache_dir)
         settings = replace(settings, artifacts=root, graph="hf",
                            served_model_name=settings.served_model_name or "gemma-3-270m")
 

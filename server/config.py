@@ -49,6 +49,10 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _user_path(text: str) -> Path:
+    return Path(text).expanduser()
+
+
 def _graph_kind(text: str) -> str:
     if text not in GRAPH_KINDS:
         raise ValueError(f"must be one of {', '.join(GRAPH_KINDS)}, got {text!r}")
@@ -77,6 +81,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_body_bytes", "--max-body-bytes", "MAX_BODY_BYTES", _positive_int, 2 * 1024 * 1024,
            "largest accepted request body (413 beyond)"),
     Option("log_level", "--log-level", "LOG_LEVEL", str, "info", "logging level"),
+    Option("cache_dir", "--cache-dir", "GEMMA4_OPTB_CACHE", _user_path, None,
+           "start-up caches (derived model structure, fast-loading tokenizer) and the demo export "
+           "(default: ~/.cache/gemma4-optb)"),
     Option("null_step_ms", "--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
            "with --graph null: simulated device time per graph call, ms (benchmarks)"),
 )
@@ -99,6 +106,7 @@ class Settings:
     sse_ping_s: float = 15.0
     max_body_bytes: int = 2 * 1024 * 1024
     log_level: str = "info"
+    cache_dir: Path | None = None  # main() fills in ~/.cache/gemma4-optb
     null_step_ms: float = 0.0
 
     def __post_init__(self) -> None:

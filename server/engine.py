@@ -73,6 +73,8 @@ class Finish:
     queue_wait_s: float = 0.0
     ttft_s: float | None = None  # submission -> first token
     total_s: float = 0.0
+    graph_calls: int = 0
+    device_s: float = 0.0  # time inside those graph calls: the rest of total_s is queueing and host work
     error: str | None = None
     timed_out: bool = False
 
@@ -185,6 +187,9 @@ class Engine:
         self._abandoned = False
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self._positions: list[torch.Tensor] = []
+        self._graph_calls = 0  # of the running request
+        self._device_s = 0.0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -282,6 +287,8 @@ class Engine:
         # objects in the middle of a stream (they were the p99 of the per-token host overhead).
         gc.collect()
         gc.freeze()
+        # Decode positions, made once: [1, 1] each (a fresh torch.tensor per token is a call on the critical path).
+        self._positions = [torch.tensor([[p]]) for p in range(self.graph.max_total)]
         self._loaded = True
         log.info("graph ready: %s, max_total=%d, bucket=%d", self.graph.name, self.graph.max_total,
                  self.graph.prefill_bucket)
@@ -329,11 +336,13 @@ class Engine:
 
     def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool) -> torch.Tensor:
         assert self.graph is not None
-        self._step_started = time.monotonic()
+        self._step_started = started = time.monotonic()
         try:
             logits = self.graph.forward(embeds, positions, last_only=last_only)
         finally:
             self._step_started = None
+            self._graph_calls += 1
+            self._device_s += time.monotonic() - started
         if self._abandoned:
             raise _Abandoned
         return logits
@@ -376,13 +385,17 @@ class Engine:
     def _finish(self, handle: RequestHandle, reason: str, prompt: int, completion: int, **extra: object) -> Finish:
         now = time.monotonic()
         started = handle.started or now
+        ran = handle is self._running and handle.started is not None
         return Finish(reason=reason, prompt_tokens=prompt, completion_tokens=completion,
-                      queue_wait_s=started - handle.submitted, total_s=now - handle.submitted, **extra)  # type: ignore[arg-type]
+                      queue_wait_s=started - handle.submitted, total_s=now - handle.submitted,
+                      graph_calls=self._graph_calls if ran else 0, device_s=self._device_s if ran else 0.0,
+                      **extra)  # type: ignore[arg-type]
 
     def _generate(self, handle: RequestHandle) -> None:
         graph = self.graph
         assert graph is not None
         request = handle.request
+        self._graph_calls, self._device_s = 0, 0.0
         handle.started = time.monotonic()
         deadline = self._deadline(handle)
         ids = list(request.prompt_ids)
@@ -438,6 +451,10 @@ class Engine:
                 handle._emit(Delta("", token, logprob))
                 reason = "stop"
                 break
+            if generated < budget:
+                # The next call's inputs before the event: the emit wakes the event loop, whose chunk formatting
+                # would otherwise hold the GIL while this thread, on the device's critical path, waits for it.
+                embeds, positions = self.embedding.lookup([token]), self._positions[len(self._cached)]
             text, hit = stops.push(detok.push(token))
             handle._emit(Delta(text, token, logprob))
             if hit:
@@ -453,8 +470,7 @@ class Engine:
             if handle.cancelled.is_set():
                 reason = "cancelled"
                 break
-            position = len(self._cached)
-            logits = self._call(self.embedding.lookup([token]), torch.tensor([[position]]), last_only=True)
+            logits = self._call(embeds, positions, last_only=True)
             self._cached.append(token)
 
         if reason != "stop":

@@ -72,11 +72,13 @@ def release_freed_memory() -> None:
         pass
 
 
-def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None) -> Host:
+def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None,
+              cache_dir: Path | None = None) -> Host:
+    """cache_dir: where start-up caches live (None: derive everything, write nothing)."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)
     spec = art.graph_spec()
-    structure = ModelStructure.from_dir(art.cfg)
+    structure = ModelStructure.from_dir(art.cfg, cache_dir)
     tokenizer = load_tokenizer(art.cfg)
     embed_file = art.embed_file
     assert embed_file is not None  # validate() checked

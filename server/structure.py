@@ -7,10 +7,20 @@ a hand-typed `sqrt(hidden)` is exactly the kind of thing that silently goes wron
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
-from dataclasses import dataclass, field
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Bump when the fields or their derivation change: older cache entries are then ignored, never half-read.
+_CACHE_SCHEMA = "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +41,37 @@ class ModelStructure:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dir(cls, cfg_dir: Path | str) -> ModelStructure:
+    def from_dir(cls, cfg_dir: Path | str, cache_dir: Path | None = None) -> ModelStructure:
+        """Derived through the meta-device model (`derive`), or read back from `cache_dir` where an earlier start
+        derived it from byte-identical config files with the same transformers version.
+
+        Why a cache: importing transformers and building the meta model is most of a server's start-up (~4 s of
+        ~8), while the answer only changes when the config files or transformers do, and both are in the key.
+        """
+        cfg_dir = Path(cfg_dir)
+        path = None if cache_dir is None else cache_dir / "structure" / f"{_cache_key(cfg_dir)}.json"
+        if path is not None and path.is_file():
+            try:
+                return cls.from_json(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                log.warning("ignoring the unreadable structure cache %s: %s", path, exc)
+        structure = cls.derive(cfg_dir)
+        if path is not None:
+            _write_atomically(path, structure.to_json())
+        return structure
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelStructure:
+        data = json.loads(text)
+        data["layer_types"] = tuple(data["layer_types"])
+        data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        return cls(**data)
+
+    @classmethod
+    def derive(cls, cfg_dir: Path | str) -> ModelStructure:
         import torch
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,3 +126,34 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
+
+
+def _cache_key(cfg_dir: Path) -> str:
+    """The config files' bytes and the transformers version that would derive the structure from them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256(_CACHE_SCHEMA.encode())
+    try:
+        digest.update(version("transformers").encode())
+    except PackageNotFoundError:
+        digest.update(b"no transformers")
+    for name in ("config.json", "generation_config.json"):
+        path = cfg_dir / name
+        digest.update(b"\0" + name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A cache is an optimisation: a read-only or full disk costs the next start time, never this one."""
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)  # readers see the old file or the whole new one
+    except OSError as exc:
+        log.warning("could not cache the model structure in %s: %s", path.parent, exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

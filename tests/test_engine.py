@@ -97,6 +97,9 @@ def test_greedy_matches_transformers_generate(tiny_engine: Engine, reference_mod
     assert ids == generate_ids(reference_model, prompt, 12)
     assert finish.prompt_tokens == length and finish.completion_tokens == len(ids)
     assert finish.prefill_calls == -(-(length - finish.reused_tokens) // BUCKET)
+    # Every call is accounted for (the last token is never fed back) and timed inside the request's own time.
+    assert finish.graph_calls == finish.prefill_calls + finish.completion_tokens - 1
+    assert 0 < finish.device_s < finish.total_s
 
 
 def test_prefix_reuse_matches_generate(tiny_host: Host, reference_model: torch.nn.Module) -> None:

@@ -34,6 +34,10 @@ class Metrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
         self.prefix_hit_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens",
                                          "Prompt tokens reused from the device KV cache", registry=r)
+        self.graph_calls = Counter(f"{PREFIX}_graph_calls", "Graph (device) calls: prefill chunks and decode steps",
+                                   registry=r)
+        self.device_seconds = Counter(f"{PREFIX}_device_seconds", "Time inside graph calls (the device's share; "
+                                      "the rest of a request's time is queueing and host work)", registry=r)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Submission to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Gap between consecutive tokens",
@@ -52,6 +56,8 @@ class Metrics:
         self.prompt_tokens.inc(finish.prompt_tokens)
         self.generation_tokens.inc(finish.completion_tokens)
         self.prefix_hit_tokens.inc(finish.reused_tokens)
+        self.graph_calls.inc(finish.graph_calls)
+        self.device_seconds.inc(finish.device_s)
         self.e2e.observe(finish.total_s)
         self.queue_wait.observe(finish.queue_wait_s)
         if finish.ttft_s is not None:

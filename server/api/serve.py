@@ -64,7 +64,7 @@ def serve(settings: Settings) -> int:
     from server.runtime import build_engine, load_host
 
     try:
-        host = load_host(settings.artifacts, settings.graph, settings.served_model_name)
+        host = load_host(settings.artifacts, settings.graph, settings.served_model_name, settings.cache_dir)
     except ArtifactError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
