@@ -14,8 +14,10 @@ from server.sampling import (
     SamplingParams,
     argmax,
     candidate_distribution,
+    candidates,
     full_sort_top_p,
     reference_probs,
+    small_top_k,
     topk,
 )
 
@@ -151,6 +153,7 @@ GRID = [
     SamplingParams(temperature=2.0, top_p=0.5, min_p=0.02),
     SamplingParams(temperature=1.0, top_k=-1, top_p=0.999),
     SamplingParams(temperature=0.8),  # nothing truncates: the whole vocabulary
+    SamplingParams(temperature=0.9, top_k=1000, top_p=0.9),  # a top-k beyond the Python-floats route
 ]
 
 
@@ -173,6 +176,18 @@ def test_distribution_matches_full_sort_reference(
         assert float(torch.maximum(got, want)[differ].sum()) < 1e-4
     assert float((got - want).abs().sum()) < 1e-4
     torch.testing.assert_close(got[~differ], want[~differ], atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("softcap", [None, CAP])
+@pytest.mark.parametrize("params", [DEFAULT, SamplingParams(temperature=1.3, top_k=200, top_p=0.8, min_p=0.05),
+                                    SamplingParams(temperature=0.5, top_k=3), SamplingParams(top_k=256, min_p=0.2)])
+def test_small_top_k_on_python_floats_equals_the_tensor_route(params: SamplingParams, softcap: float | None) -> None:
+    logits = gemma_like_logits(21, V, 4.0)
+    ids, cum, n = small_top_k(logits, params, softcap)
+    c = candidates(logits, params, softcap)
+    assert c.ids is not None and ids[:n] == c.ids[: c.n].tolist()
+    got = torch.tensor(cum[:n], dtype=torch.float64) / cum[n - 1]
+    torch.testing.assert_close(got, (c.cum[: c.n] / c.cum[c.n - 1]).double(), atol=1e-6, rtol=1e-5)
 
 
 def test_flat_distribution_forces_several_probes() -> None:
