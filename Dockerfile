@@ -41,10 +41,12 @@ RUN chmod 0755 /app/entrypoint.sh \
 # Both NeuronCores: the graph is compiled for tensor parallelism 2.
 # No Xet chunk cache: it would keep up to 10 GB of a one-time download in the container's writable layer,
 # on the same disk as the /data volume, behind the back of fetch's free-space check.
+# Start-up caches (derived model structure, fast-loading tokenizer) on the volume: they survive the container.
 ENV NEURON_RT_VISIBLE_CORES=0,1 \
     HOST=0.0.0.0 \
     PORT=8080 \
     ARTIFACTS_DIR=/data \
+    GEMMA4_OPTB_CACHE=/data/.cache \
     HF_XET_CHUNK_CACHE_SIZE_BYTES=0
 
 EXPOSE 8080

@@ -26,6 +26,7 @@ import torch
 if TYPE_CHECKING:
     from server.engine import Engine
     from server.runtime import Host
+    from server.tokenizer import HostTokenizer
 
 VOCAB, HIDDEN, MAX_TOTAL, BUCKET = 262_144, 2816, 512, 128
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
@@ -193,7 +194,7 @@ def measure_prefix_reuse(host: Host) -> dict[str, float]:
         for turn, question in enumerate(questions, 1):
             messages.append({"role": "user", "content": question})
             text = host.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            prompt = host.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has the BOS
+            prompt = host.tokenizer.encode(text, add_special_tokens=False)  # the template has the BOS
 
             async def go(ids: list[int] = prompt, engine: Engine = engine) -> Completion:
                 return await engine.submit(GenerationRequest(tuple(ids), 40, SamplingParams(temperature=0.0))).result()
@@ -279,7 +280,7 @@ class _Server:
             self.proc.kill()
 
 
-def measure_server(root: Path, cache_dir: Path, tokenizer: Any, tokens: int, step_ms: float = 30.0) -> dict[str, float]:
+def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens: int, step_ms: float = 30.0) -> dict[str, float]:
     """Ready time, RSS, TTFT and host CPU per token with an instant graph; then per-token overhead on top of a
     simulated `step_ms` device step (inter-token gap at the client minus the device step the server measured)."""
     import tempfile
@@ -293,7 +294,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: Any, tokens: int, ste
     try:
         results["ready_s_without_graph"] = server.ready_s
         results["rss_mb_ready"] = _rss_mb(server.proc.pid)
-        ids = tokenizer("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)["input_ids"]
+        ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)
         chat_prompt = tokenizer.decode(ids[:110])  # + the template's turn markers: a ~120-token chat prompt
         server.stream(DEFAULT_SAMPLING, "warm up", 16)
         for label, sampling in SAMPLINGS:
@@ -308,7 +309,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: Any, tokens: int, ste
         results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
         templated = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompt}], add_generation_prompt=True,
                                                   tokenize=False)
-        results["ttft_prompt_tokens"] = len(tokenizer(templated, add_special_tokens=False)["input_ids"])
+        results["ttft_prompt_tokens"] = len(tokenizer.encode(templated, add_special_tokens=False))
         results["rss_mb_after_streams"] = _rss_mb(server.proc.pid)
     finally:
         server.close()

@@ -57,7 +57,9 @@ def test_chat_non_stream_stops_at_exactly_max_tokens(client: OpenAI) -> None:
 
 
 def test_chat_prompt_uses_the_chat_template_without_a_second_bos(server: LiveServer, client: OpenAI) -> None:
-    tokenizer = server.host.tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(server.host.artifacts.cfg)  # the reference, not our own
     messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "Be brief."},
                                                   {"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -12,7 +12,6 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import anyio
 from jinja2 import TemplateError
@@ -39,7 +38,7 @@ class Service:
         self.settings = settings
         self.engine = engine
         self.host = host
-        self.tokenizer: Any = host.tokenizer
+        self.tokenizer = host.tokenizer
         self.metrics = metrics
         self.model_name = host.model_name
         self.max_total = host.max_total
@@ -83,15 +82,14 @@ class Service:
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
                         for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-        except TemplateError as exc:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except (TemplateError, ValueError) as exc:  # ValueError: the model ships no chat template
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
                            code="invalid_value") from None
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _text_ids(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
         """Tokens the completion may have: the request's limit, capped by what the context leaves."""
@@ -103,11 +101,11 @@ class Service:
         return room if requested is None else min(requested, room)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids)))
+        return self.tokenizer.decode(ids)
 
     def _token_info(self, token_id: int) -> tuple[str, list[int]]:
         """A token's text as OpenAI's logprobs show it, and its bytes (the raw byte for byte-fallback tokens)."""
-        text = str(self.tokenizer.decode([token_id]))
+        text = self.tokenizer.decode([token_id])
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
         return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
