@@ -44,6 +44,7 @@ class NullGraph:
         if favoured_token is not None:
             logits[favoured_token] = top + 4.0
         self._logits = logits
+        self._last = logits.view(1, 1, -1)  # [1, 1, V]: decode's answer, made once (the call is timed as device time)
         self.calls = 0  # graph invocations, for prefill-reuse accounting in benchmarks and tests
         # Simulated device time per call: the worker then waits like it waits on a NeuronCore (GIL released),
         # so a benchmark sees the host's overhead on top of a device step, not a host spinning at 100%.
@@ -56,7 +57,7 @@ class NullGraph:
         if self.step_s > 0:
             time.sleep(self.step_s)
         t = 1 if last_only else embeds.shape[1]
-        return self._logits.view(1, 1, -1).expand(1, t, -1)  # [1, T, V] (a view: no per-call allocation)
+        return self._last if t == 1 else self._last.expand(1, t, -1)  # [1, T, V] (a view: no per-call allocation)
 
     def rewind(self, position: int) -> int:
         return position
