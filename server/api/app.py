@@ -55,11 +55,13 @@ async def error_response(request: Request, exc: Exception) -> Response:
                            code="method_not_allowed", headers=dict(exc.headers or {}))
         else:
             exc = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-    elif not isinstance(exc, APIError):  # a bug: Starlette re-raises it after this answer, and uvicorn logs it
-        exc = APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+    request_id = request.scope.get("state", {}).get("request_id", "-")
+    if not isinstance(exc, APIError):  # a bug: Starlette re-raises it after this answer, and uvicorn logs it
+        # This answer leaves through Starlette's outermost middleware, outside RequestIdMiddleware: add the id here.
+        exc = APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error",
+                       headers={"X-Request-Id": request_id})
     # One line per error response: client mistakes at info, back-pressure (429, 503 not ready) at warning, ours at error.
     level = logging.WARNING if exc.status in (429, 503) else logging.ERROR if exc.status >= 500 else logging.INFO
-    request_id = request.scope.get("state", {}).get("request_id", "-")
     log.log(level, "%s: %s %s -> %d %s: %s", request_id, request.method, _clip(request.url.path, 200), exc.status,
             exc.code or exc.type, _clip(exc.message, 300))
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
