@@ -193,7 +193,7 @@ def measure_prefix_reuse(host: Host) -> dict[str, float]:
                      "Summarise both answers in one line."]
         for turn, question in enumerate(questions, 1):
             messages.append({"role": "user", "content": question})
-            text = host.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = host.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             prompt = host.tokenizer.encode(text, add_special_tokens=False)  # the template has the BOS
 
             async def go(ids: list[int] = prompt, engine: Engine = engine) -> Completion:
@@ -307,8 +307,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
             results[f"saturated_gap_ms_p50{label}"] = statistics.median(gaps)
         ttfts = [server.stream(DEFAULT_SAMPLING, chat_prompt, 1)[0] for _ in range(20)]
         results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
-        templated = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompt}], add_generation_prompt=True,
-                                                  tokenize=False)
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompt}], add_generation_prompt=True)
         results["ttft_prompt_tokens"] = len(tokenizer.encode(templated, add_special_tokens=False))
         results["rss_mb_after_streams"] = _rss_mb(server.proc.pid)
     finally:

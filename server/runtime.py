@@ -31,7 +31,6 @@ NULL_GRAPH_WORDS = (
 )
 
 
-
 @dataclass(frozen=True, slots=True)
 class Host:
     artifacts: ArtifactDir
