@@ -439,7 +439,8 @@ class Engine:
         reason = "length"
         timed_out = False
         while True:
-            result = sampler.sample(logits[0, -1])  # [V] raw logits of the last position
+            # [1, 1, V] -> [V]: calls are last_only, so this is the last position (one torch call, [0, -1] is two)
+            result = sampler.sample(logits.reshape(-1))
             token = result.token_id
             sampler.accept(token)
             generated += 1
