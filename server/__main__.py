@@ -101,12 +101,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     _setup_logging(settings.log_level)
     from dataclasses import replace
 
-    if settings.cache_dir is None:
-        settings = replace(settings, cache_dir=_cache_root(None, environ))
+    cache_dir = settings.cache_dir or _cache_root(None, environ)
+    settings = replace(settings, cache_dir=cache_dir)
     if args.command == "demo":
         from server.demo import demo_artifacts
 
-        root = demo_artifacts(settings.cache_dir)
+        root = demo_artifacts(cache_dir)
         settings = replace(settings, artifacts=root, graph="hf",
                            served_model_name=settings.served_model_name or "gemma-3-270m")
 

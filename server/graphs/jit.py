@@ -51,7 +51,7 @@ class ContractInputs:
 
     def build(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if positions.shape[1] == 1:
-            position = int(positions[0, 0])
+            position = int(positions)  # [1, 1]: one element, read without indexing (one torch call, not two)
             cached = self._decode.get(position)
             if cached is None:
                 cached = self._decode[position] = self._build(positions)
