@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import gc
 import logging
 import threading
@@ -334,15 +335,30 @@ class Engine:
             except Exception:  # noqa: BLE001
                 log.exception("graph rewind failed")
 
-    def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool) -> torch.Tensor:
+    def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool,
+              publish: Callable[[], None] | None = None) -> torch.Tensor:
+        """One graph call. `publish` (the previous token's event) runs when the graph submits its device work (see
+        graphs.base), or after the call if the graph failed before that; once either way."""
         assert self.graph is not None
         self._step_started = started = time.monotonic()
+        submitted: float | None = None
+
+        def on_submit() -> None:
+            nonlocal submitted
+            if submitted is None:
+                submitted = time.monotonic()
+                if publish is not None:
+                    publish()
+
         try:
-            logits = self.graph.forward(embeds, positions, last_only=last_only)
+            logits = self.graph.forward(embeds, positions, last_only=last_only, on_submit=on_submit)
         finally:
             self._step_started = None
+            if submitted is None and publish is not None:
+                publish()
             self._graph_calls += 1
-            self._device_s += time.monotonic() - started
+            # Device time from the submission on: building the call's inputs is the host's work, not the device's.
+            self._device_s += time.monotonic() - (submitted or started)
         if self._abandoned:
             raise _Abandoned
         return logits
@@ -452,27 +468,28 @@ class Engine:
                 handle._emit(Delta("", token, logprob))
                 reason = "stop"
                 break
-            if generated < budget:
-                # The next call's inputs before the event: the emit wakes the event loop, whose chunk formatting
-                # would otherwise hold the GIL while this thread, on the device's critical path, waits for it.
-                embeds, positions = self.embedding.lookup([token]), self._positions[len(self._cached)]
             text, hit = stops.push(detok.push(token))
-            handle._emit(Delta(text, token, logprob))
+            delta = Delta(text, token, logprob)
             if hit:
                 reason = "stop"
-                break
-            if generated >= budget:
-                break
-            if time.monotonic() > deadline:
+            elif generated >= budget:
+                pass
+            elif time.monotonic() > deadline:
                 timed_out = True
                 log.warning("request %s hit its %g s wall-clock limit after %d tokens",
                             request.request_id, deadline - handle.submitted, generated)
-                break
-            if handle.cancelled.is_set():
+            elif handle.cancelled.is_set():
                 reason = "cancelled"
-                break
-            logits = self._call(embeds, positions, last_only=True)
-            self._cached.append(token)
+            else:
+                # The event goes out when the graph submits the next step (see graphs.base): published here, the
+                # event loop would take the GIL from this thread while it still builds that step's inputs.
+                embeds = self.embedding.lookup([token])  # [1, 1, H]
+                logits = self._call(embeds, self._positions[len(self._cached)], last_only=True,
+                                    publish=functools.partial(handle._emit, delta))
+                self._cached.append(token)
+                continue
+            handle._emit(delta)
+            break
 
         if reason != "stop":
             # Release what the detokenizer and the stop matcher were holding back for a continuation.

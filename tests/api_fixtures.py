@@ -70,11 +70,14 @@ class SlowGraph:
         self.calls = 0
         self.call_starts: list[float] = []  # time.monotonic() at the start of each call
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         self.calls += 1
         self.call_starts.append(time.monotonic())
         if self.fail_after is not None and self.calls > self.fail_after:
             raise RuntimeError("simulated device fault")
+        if on_submit is not None:
+            on_submit()  # like a device: the inputs are ready, the (simulated) device time starts now
         time.sleep(self.delay_s)
         return self.inner.forward(embeds, positions, last_only=last_only)
 

@@ -68,6 +68,53 @@ def test_a_graph_that_raises_ends_that_request_and_the_next_one_runs() -> None:
         engine.stop()
 
 
+def test_a_token_fault_never_loses_the_token_before_it() -> None:
+    """The fault hits before the graph submits its device work, which is when it would publish the previous token:
+    that token is published anyway (after the call), then the error."""
+    graph = SlowGraph(null_graph(), 0.0, fail_after=4)  # prefill + 3 decode steps, then a device fault
+
+    async def run() -> tuple[list[int], Finish]:
+        completion = await engine.submit(GenerationRequest((2, 100, 200), 8, GREEDY)).result()
+        return completion.token_ids, completion.finish
+
+    engine = started(lambda: graph)
+    try:
+        tokens, finish = asyncio.run(run())
+        assert finish.reason == "error"
+        assert len(tokens) == 4  # sampled from the prefill and the 3 decode steps that ran
+    finally:
+        engine.stop()
+
+
+def test_each_token_goes_out_once_the_next_step_is_submitted() -> None:
+    """Not while the next step's inputs are still built: the event loop would take the GIL from the device owner."""
+    prep_s, step_s = 0.03, 0.03
+    graph = SlowGraph(null_graph(), step_s)
+    inner_forward = graph.forward
+    submits: list[float] = []
+
+    def slow_prep(*args: object, **kwargs: object) -> object:
+        time.sleep(prep_s)  # the host builds this call's inputs
+        submits.append(time.monotonic())
+        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    graph.forward = slow_prep  # type: ignore[method-assign]
+
+    async def arrivals() -> list[float]:
+        handle = engine.submit(GenerationRequest((2, 100, 200), 5, GREEDY))
+        return [time.monotonic() async for event in handle.events() if not isinstance(event, Finish)]
+
+    engine = started(lambda: graph)
+    try:
+        times = asyncio.run(arrivals())
+    finally:
+        engine.stop()
+    assert len(times) == 5 and len(submits) == 5  # prefill + 4 decode steps; the 5th token is never fed back
+    for token, arrived in enumerate(times[:-1]):
+        # token k rides on call k + 1: out after that call's inputs were ready, well before its device step ended
+        assert submits[token + 1] <= arrived < submits[token + 1] + step_s, (token, arrived - submits[token + 1])
+
+
 def test_a_stalled_graph_call_fails_its_request_and_health_recovers() -> None:
     graph = SlowGraph(null_graph(), 0.0)
     release = threading.Event()

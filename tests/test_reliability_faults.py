@@ -158,12 +158,12 @@ class StallingGraph(SlowGraph):
         self.release = threading.Event()
         self.stalled = threading.Event()
 
-    def forward(self, embeds, positions, *, last_only: bool = False):  # type: ignore[no-untyped-def]
+    def forward(self, embeds, positions, *, last_only: bool = False, on_submit=None):  # type: ignore[no-untyped-def]
         if self.stall_on is not None and self.calls + 1 == self.stall_on:
             self.stall_on = None
             self.stalled.set()
             self.release.wait(30)
-        return super().forward(embeds, positions, last_only=last_only)
+        return super().forward(embeds, positions, last_only=last_only, on_submit=on_submit)
 
 
 @pytest.fixture

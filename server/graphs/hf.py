@@ -9,6 +9,7 @@ For the same reason it can rewind its cache only while no sliding layer has wrap
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,14 +40,18 @@ class HFGraph:
         self.position = 0  # the next slot the cache writes
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
         assert int(positions[0, 0]) == self.position, "the static cache writes sequentially: rewind first"
         assert self.position + t <= self.max_total, "beyond max_total"
+        embeds, positions = embeds.to(self.device, self.input_dtype), positions.to(self.device)
+        if on_submit is not None:
+            on_submit()
         out = self.model(
-            inputs_embeds=embeds.to(self.device, self.input_dtype),
-            position_ids=positions.to(self.device),
+            inputs_embeds=embeds,
+            position_ids=positions,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,

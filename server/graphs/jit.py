@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,7 +96,8 @@ class JitGraph:
         self.host_softcap = None if spec.softcap_in_graph else final_softcap
         self.inputs = ContractInputs(spec.max_total, sliding_window, self.input_dtype)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
         if t not in (1, self.prefill_bucket):
@@ -104,7 +106,10 @@ class JitGraph:
             tail = positions[0, -1] + 1 + torch.arange(pad)  # continue past the last real position
             positions = torch.cat([positions, tail[None]], dim=1)  # [1, BUCKET]
         onehot, full, sliding = self.inputs.build(positions)
-        out = self.module(embeds.to(self.input_dtype), positions.to(torch.int64), onehot, full, sliding)
+        embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
+        if on_submit is not None:
+            on_submit()
+        out = self.module(embeds, positions, onehot, full, sliding)
         logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]
         logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits.float()

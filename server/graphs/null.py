@@ -9,7 +9,7 @@ tokens lifted just below it, so sampled generations are text too (every token sh
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,10 +50,13 @@ class NullGraph:
         # so a benchmark sees the host's overhead on top of a device step, not a host spinning at 100%.
         self.step_s = step_s
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         assert embeds.dim() == 3 and positions.shape == embeds.shape[:2], "embeds [1,T,H], positions [1,T]"
         assert int(positions[0, -1]) < self.max_total, "position beyond max_total"
         self.calls += 1
+        if on_submit is not None:
+            on_submit()
         if self.step_s > 0:
             time.sleep(self.step_s)
         t = 1 if last_only else embeds.shape[1]
