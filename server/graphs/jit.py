@@ -111,8 +111,9 @@ class JitGraph:
             on_submit()
         out = self.module(embeds, positions, onehot, full, sliding)
         logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]
-        logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
-        return logits.float()
+        if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
+            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def rewind(self, position: int) -> int:
         # One-hot writes address slots by absolute position: stale slots are simply overwritten.
