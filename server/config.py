@@ -80,6 +80,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("sse_ping_s", "--sse-ping", "SSE_PING", _positive_float, 15.0, "keep-alive comment interval on streams, seconds"),
     Option("max_body_bytes", "--max-body-bytes", "MAX_BODY_BYTES", _positive_int, 2 * 1024 * 1024,
            "largest accepted request body (413 beyond)"),
+    Option("body_timeout_s", "--body-timeout", "BODY_TIMEOUT", _positive_float, 30.0,
+           "seconds a client may take to send its request body (408 beyond: a slow sender cannot hold a connection)"),
     Option("log_level", "--log-level", "LOG_LEVEL", str, "info", "logging level"),
     Option("cache_dir", "--cache-dir", "GEMMA4_OPTB_CACHE", _user_path, None,
            "start-up caches (derived model structure, fast-loading tokenizer) and the demo export "
@@ -105,6 +107,7 @@ class Settings:
     shutdown_grace_s: float = 30.0
     sse_ping_s: float = 15.0
     max_body_bytes: int = 2 * 1024 * 1024
+    body_timeout_s: float = 30.0
     log_level: str = "info"
     cache_dir: Path | None = None  # main() fills in ~/.cache/gemma4-optb
     null_step_ms: float = 0.0

@@ -264,3 +264,26 @@ def test_after_the_matrix_the_server_is_healthy_and_idle(server: LiveServer) -> 
     assert "500" not in counted, counted
     # every row that ran above is in the counters (SEEN: what this session's rows produced)
     assert all(counted.get(status, 0) >= n for status, n in SEEN.items()), (counted, SEEN)
+
+
+def test_a_body_that_never_finishes_arriving_gets_a_408() -> None:
+    """A slow sender (slowloris) cannot hold a connection and a handler: the body has a deadline."""
+    with live_server(settings(body_timeout_s=0.5)) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\nX-Request-Id: slow-body\r\n\r\n" + b'{"prompt": "')
+            began = time.monotonic()
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                more = sock.recv(65536)
+                if not more:
+                    break
+                answer += more
+            waited = time.monotonic() - began
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"x-request-id: slow-body" in head.lower()
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert 0.4 < waited < 5, waited
+        assert httpx.get(f"{live.url}/health", timeout=10).json() == {"status": "ok"}

@@ -16,6 +16,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -55,8 +56,9 @@ def _usage(finish: Finish) -> dict[str, int]:
             "total_tokens": finish.prompt_tokens + finish.completion_tokens}
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413)."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413), and a body
+    that takes longer than `timeout_s` to arrive (408)."""
     too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
                          code="request_too_large")
     declared = request.headers.get("content-length")
@@ -67,10 +69,14 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
     body = bytearray()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s.", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     except ClientDisconnect:  # gone before the body was complete: nobody to answer, and not a server error
         raise APIError(499, "The client closed the connection before the request body was complete.",
                        code="client_closed_request") from None
@@ -215,7 +221,7 @@ class OpenAIRoutes:
         self.settings = service.settings
 
     async def _body(self, request: Request) -> bytes:
-        return await read_body(request, self.settings.max_body_bytes)
+        return await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
 
     def _sampling(self, body: SamplingFields, top_logprobs: int | None) -> SamplingParams:
         """`top_logprobs` None = no logprobs. Unset fields: the model's defaults, then OpenAI's."""
