@@ -71,6 +71,11 @@ class HostEmbedding:
         # The module keeps the scale as an f32 buffer and casts it to the weight dtype before the multiply
         # (bf16 rounds sqrt(2816)=53.07 to 53.0); do the same cast to the compute dtype.
         self.scale = torch.tensor(scale, dtype=torch.float32).to(self.dtype)
+        # Decode's one row in two torch calls: a [1, H] slice times a [1, 1, 1] scale broadcasts to [1, 1, H], and a
+        # non-scalar scale takes part in type promotion, so a bf16 row meets an f32 scale in f32: the same arithmetic
+        # as `rows.to(dtype) * scale`. Only where that promotion lands on `dtype` (not for an f32 table read as bf16).
+        promoted = torch.promote_types(table.dtype, self.dtype) == self.dtype
+        self._row_scale = self.scale.reshape(1, 1, 1) if promoted else None
 
     @classmethod
     def open(cls, path: Path | str, scale: float, dtype: torch.dtype | None = None) -> HostEmbedding:
@@ -86,10 +91,10 @@ class HostEmbedding:
 
     def lookup(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """ids [T] or [1, T] -> [1, T, H] in the compute dtype."""
-        if isinstance(ids, list) and len(ids) == 1:
-            # Decode: one row by plain indexing, the same two operations as below with fewer calls around them
-            # (after the worker sat out a device step its caches are cold and every torch call costs ~25 us more).
-            return (self.table[ids[0]].to(self.dtype) * self.scale).view(1, 1, -1)  # [1, 1, H]
+        if self._row_scale is not None and isinstance(ids, list) and len(ids) == 1:
+            # Decode: after the worker sat out a device step its caches are cold and every torch call costs ~25 us
+            # more, so the fewest calls that compute the same thing.
+            return self.table[ids[0] : ids[0] + 1] * self._row_scale  # [1, H] * [1, 1, 1] -> [1, 1, H]
         ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)  # [1, T]
         rows = torch.nn.functional.embedding(ids_t, self.table)  # [1, T, H] table dtype (gathers only T rows)
         return rows.to(self.dtype) * self.scale  # [1, T, H]

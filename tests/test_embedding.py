@@ -42,6 +42,17 @@ def test_bf16_table_computed_in_f32_matches_an_f32_model() -> None:
     assert torch.equal(got, module(ids[None]))
 
 
+@pytest.mark.parametrize(("table_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                                    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_the_one_token_decode_lookup_equals_the_general_one(table_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    host = HostEmbedding(torch.randn(300, 2816).to(table_dtype), 2816**0.5, dtype)
+    for token in (0, 7, 299):
+        got = host.lookup([token])
+        assert got.shape == (1, 1, 2816) and got.dtype == dtype
+        assert torch.equal(got, host.lookup(torch.tensor([token])))
+
+
 def test_missing_scale_is_what_breaks_the_model() -> None:
     table = torch.randn(10, 16)
     scaled = HostEmbedding(table, 16**0.5).lookup([3])
