@@ -141,6 +141,30 @@ def measure_sampling(repeats: int = 200) -> dict[str, float]:
     return results
 
 
+def measure_idle_floor(idle_s: float = 0.03, repeats: int = 100) -> dict[str, float]:
+    """What any host pays per token before doing anything useful: one trivial torch call and one pass over the
+    logits (every sampler reads them all), hot and right after sitting out a device step of `idle_s`."""
+    logits = torch.randn(VOCAB)  # [V]
+    tiny = torch.ones(4)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the served path runs
+    results: dict[str, float] = {}
+    try:
+        for label, idle in (("hot", 0.0), ("after_idle", idle_s)):
+            times = []
+            for _ in range(repeats):
+                if idle:
+                    time.sleep(idle)
+                start = time.perf_counter()
+                tiny.add(1)
+                logits.max()
+                times.append((time.perf_counter() - start) * 1000)
+            results[f"floor_ms_call_and_logits_pass_{label}"] = statistics.median(times)
+    finally:
+        torch.set_num_threads(torch_threads)
+    return results
+
+
 def _running_engine(host: Host, *, prefix_reuse: bool = True) -> Engine:
     """An engine on the host's null graph (as `serve --graph null` builds it), loaded and ready."""
     from server.engine import Engine
@@ -341,6 +365,7 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
 
     host = load_host(root, "null", cache_dir=cache_root)  # once, for the in-process parts (each server loads its own)
     results.update(measure_sampling())
+    results.update(measure_idle_floor())
     results.update(measure_engine(host, tokens))
     results.update(measure_prefix_reuse(host))
     results.update(measure_server(root, cache_root, host.tokenizer, tokens))

@@ -20,6 +20,7 @@ KEYS = {
     "ttft_host_overhead_ms_p50", "sampling_ms_default", "sampling_ms_full_sort_top_p", "sampling_ms_greedy",
     "ready_s_without_graph", "rss_mb_ready", "prefill_calls_turn3", "prefill_calls_turn3_no_reuse",
     "host_cpu_ms_per_token", "ready_s_without_graph_first_start", "device_step_ms_measured",
+    "floor_ms_call_and_logits_pass_hot", "floor_ms_call_and_logits_pass_after_idle",
 }
 
 
