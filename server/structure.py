@@ -7,15 +7,14 @@ a hand-typed `sqrt(hidden)` is exactly the kind of thing that silently goes wron
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from server.cache import AtomicFile
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +144,10 @@ def _cache_key(cfg_dir: Path) -> str:
 
 def _write_atomically(path: Path, text: str) -> None:
     """A cache is an optimisation: a read-only or full disk costs the next start time, never this one."""
-    tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)  # readers see the old file or the whole new one
+        with AtomicFile(path.parent, f".{path.name}.") as out:
+            out.write(text.encode("utf-8"))
+            out.commit(path)
     except OSError as exc:
         log.warning("could not cache the model structure in %s: %s", path.parent, exc)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)

@@ -19,10 +19,8 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
@@ -37,6 +35,8 @@ import jinja2.parser
 import jinja2.sandbox
 import jinja2.utils
 from tokenizers import AddedToken, Tokenizer, processors
+
+from server.cache import AtomicFile
 
 log = logging.getLogger(__name__)
 
@@ -350,19 +350,11 @@ def _cached_tokenizer_json(tokenizer_json: Path, cache_dir: Path) -> Path | None
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(cache_dir)
     # The temp file comes first, so an unwritable cache fails before a second is spent on the rewrite.
-    fd, partial = tempfile.mkstemp(dir=cache_dir, prefix=f".{stem}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            rewritten = _with_legacy_merges(data)
-            if rewritten is not None:
-                out.write(rewritten)
-            with contextlib.suppress(OSError):  # mkstemp's 0600 would hide the entry from other users of the cache
-                os.fchmod(out.fileno(), 0o644)
-        os.replace(partial, entry if rewritten is not None else original_marker)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise
+    with AtomicFile(cache_dir, f".{stem}.") as out:
+        rewritten = _with_legacy_merges(data)
+        if rewritten is not None:
+            out.write(rewritten)
+        out.commit(entry if rewritten is not None else original_marker)
     return entry if rewritten is not None else None
 
 

@@ -17,6 +17,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from server import cache as cache_module
 from server import tokenizer as host_tokenizer
 from server.tokenizer import HostTokenizer
 from tests.models import tokenizer_dir
@@ -556,7 +557,7 @@ def test_cache_problems_fall_back_to_the_original(tmp_path: Path, monkeypatch: p
 
     cache = tmp_path / "cache"
     with monkeypatch.context() as patch:  # a failing write (disk full, ...) leaves no entry and no temp file
-        patch.setattr(host_tokenizer.os, "replace", lambda *_: (_ for _ in ()).throw(OSError("disk full")))
+        patch.setattr(cache_module.os, "replace", lambda *_: (_ for _ in ()).throw(OSError("disk full")))
         assert same(HostTokenizer.from_dir(cfg, cache_dir=cache))
     assert list(cache.iterdir()) == []
 
