@@ -178,6 +178,11 @@ def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float,
     return float(out.sub_(shift).exp_().sum())
 
 
+def takes_small_top_k(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether `small_top_k` decides (a top-k that truncates, of at most _PYTHON_TOP_K)."""
+    return 0 < params.top_k <= min(_PYTHON_TOP_K, vocab_size - 1)
+
+
 def small_top_k(x: torch.Tensor, params: SamplingParams, softcap: float | None) -> tuple[list[int], list[float], int]:
     """Steps 4-8 for a top-k of at most _PYTHON_TOP_K, on Python floats: (ids best first, cumulative weights, how
     many of them survive min-p and top-p). The same order of operations as `candidates`, in float64."""
@@ -294,7 +299,7 @@ def candidate_distribution(
     x: torch.Tensor, params: SamplingParams, softcap: float | None, scratch: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `Sampler.sample` draws from, for tests and debugging: (token ids, probabilities summing to 1)."""
-    if 0 < params.top_k <= min(_PYTHON_TOP_K, x.numel() - 1):
+    if takes_small_top_k(params, x.numel()):
         ids_list, cum_list, n = small_top_k(x, params, softcap)
         cum_t = torch.tensor(cum_list[:n], dtype=torch.float64)  # (n,)
         probs = torch.diff(cum_t, prepend=cum_t.new_zeros(1)) / cum_t[-1]  # (n,)
@@ -427,7 +432,7 @@ class Sampler:
         # One uniform per token is all a draw needs; Python's generator gives it without a torch call. Unseeded
         # requests get fresh state from the OS.
         self.rng = random.Random(params.seed)
-        self._small_top_k = 0 < params.top_k <= min(_PYTHON_TOP_K, vocab_size - 1)
+        self._small_top_k = takes_small_top_k(params, vocab_size)
         self._bias_ids: torch.Tensor | None = None
         self._bias_values: torch.Tensor | None = None
         if params.logit_bias:

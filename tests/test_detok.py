@@ -174,28 +174,28 @@ def test_after_a_hit_nothing_more_comes_out() -> None:
     assert matcher.push("more") == ("", True) and matcher.flush() == ""
 
 
-def test_stop_string_across_real_tokens(gemma_tokenizer: Any) -> None:
-    ids = encode(gemma_tokenizer, "The answer is 42.\nUser: what now?")
-    detok, matcher = IncrementalDetokenizer(gemma_tokenizer), StopMatcher(["\nUser:", "never"])
-    emitted = []
+def stream_until_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> tuple[bool, list[str]]:
+    """What the engine does per token: detokenize, then match stops; (whether one hit, the text emitted)."""
+    detok, matcher = IncrementalDetokenizer(tokenizer), StopMatcher(stops)
+    emitted, hit = [], False
     for i in ids:
         text, hit = matcher.push(detok.push(i))
         emitted.append(text)
         if hit:
             break
+    return hit, emitted
+
+
+def test_stop_string_across_real_tokens(gemma_tokenizer: Any) -> None:
+    ids = encode(gemma_tokenizer, "The answer is 42.\nUser: what now?")
+    hit, emitted = stream_until_stop(gemma_tokenizer, ids, ["\nUser:", "never"])
     assert hit and "".join(emitted) == "The answer is 42."
     assert all("\n" not in piece for piece in emitted)
 
 
 def test_stops_inside_multibyte_characters(gemma_tokenizer: Any) -> None:
     ids = encode(gemma_tokenizer, "안녕하세요 세계 🤖 끝")
-    detok, matcher = IncrementalDetokenizer(gemma_tokenizer), StopMatcher(["세계 🤖"])
-    emitted = []
-    for i in ids:
-        text, hit = matcher.push(detok.push(i))
-        emitted.append(text)
-        if hit:
-            break
+    hit, emitted = stream_until_stop(gemma_tokenizer, ids, ["세계 🤖"])
     assert hit and "".join(emitted) == "안녕하세요 "
 
 
