@@ -43,7 +43,6 @@ class NullGraph:
             logits[torch.tensor(list(text_tokens), dtype=torch.long)] = top + lift
         if favoured_token is not None:
             logits[favoured_token] = top + 4.0
-        self._logits = logits
         self._last = logits.view(1, 1, -1)  # [1, 1, V]: decode's answer, made once (the call is timed as device time)
         self.calls = 0  # graph invocations, for prefill-reuse accounting in benchmarks and tests
         # Simulated device time per call: the worker then waits like it waits on a NeuronCore (GIL released),
