@@ -3,7 +3,11 @@
 The contract (ARCHITECTURE.md), built here from positions so the rest of the server never sees it:
 
     model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T],
-          onehot f32 [1,1,MAX,T], full_mask f32 [1,1,T,MAX], sliding_mask f32 [1,1,T,MAX]) -> (logits [1,T,V], *kv)
+          onehot f32 [1,1,MAX,T], full_mask f32 [1,1,T,MAX], sliding_mask f32 [1,1,T,MAX]) -> logits [1,T,V]
+
+What the call returns depends on the target: on Neuron (ModelBuilder's `sqz_neff.pt`) the logits alone, because
+NxD drops aliased outputs and the KV stays on the device in `nxd_model.state`; on the CPU trace (`model.pt`)
+`(logits, *kv)`, the KV also written into the module's buffers. Only the logits are read here.
 
 T is exactly BUCKET (prefill) or 1 (decode): ModelBuilder routes by shape and an unknown shape raises,
 so a short prefill chunk is padded here. Pad positions continue past the last real one; their KV writes
@@ -12,7 +16,6 @@ land in slots no real query has seen yet, and later decode steps overwrite them 
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -21,20 +24,9 @@ import torch
 
 from server.artifacts import GraphSpec
 from server.graphs.base import DTYPES
+from server.vendor.neuron_prelude import prepare_neuron_imports
 
 log = logging.getLogger(__name__)
-
-
-
-def import_neuron_runtime() -> str | None:
-    """Import what lets TorchScript resolve `neuron.SPMDModel`; must run before `torch.jit.load`."""
-    for module in ("neuronx_distributed.trace.model_builder", "torch_neuronx"):
-        try:
-            importlib.import_module(module)
-            return module
-        except ImportError:
-            continue
-    return None
 
 
 class ContractInputs:
@@ -83,11 +75,14 @@ class JitGraph:
         final_softcap: float | None,
         start_rank: int = 0,
     ) -> None:
-        runtime = import_neuron_runtime()
+        runtime = prepare_neuron_imports()  # before the load: registers neuron.SPMDModel
         log.info("loading compiled graph %s (neuron runtime: %s)", path, runtime or "none, CPU TorchScript")
-        self.module = torch.jit.load(str(path), map_location="cpu")
+        # No map_location, as the published deploy script, NxD and NxD Inference load it: a Neuron graph's saved
+        # weights must stay what they are for initialize_with_saved_weights (mapped to the CPU they would be ~26.7
+        # GB of host tensors the device never reloads). A CPU-traced graph holds CPU tensors and loads as before.
+        self.module = torch.jit.load(str(path))
         if hasattr(self.module, "nxd_model"):
-            # Pushes the sharded weights to the NeuronCores; once, before the first call.
+            # Pushes the saved sharded weights to the NeuronCores; once, before the first call.
             self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
         self.max_total = spec.max_total
         self.prefill_bucket = spec.prefill_bucket
@@ -110,7 +105,7 @@ class JitGraph:
         if on_submit is not None:
             on_submit()
         out = self.module(embeds, positions, onehot, full, sliding)
-        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]
+        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]: Neuron returns it alone, CPU first
         if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()

@@ -882,9 +882,45 @@ def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# Why the compiler flags are NxD's own (``--compiler-args`` unset): ModelBuilder then compiles with
+# ``--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1`` (NxD appends ``--auto-cast=none``
+# to any flags lacking ``--auto-cast`` and warns that other values may lower accuracy). The published build passed
+# ``--model-type transformer --auto-cast all --auto-cast-type bf16`` and swapped in an explicit tanh-GELU module.
+# ``--model-type transformer`` is in NxD's default already. ``--auto-cast all`` casts every f32 operation to bf16:
+# the way to bf16 for a module built in f32, which this one is not (``_cast_floats`` makes it bf16), and it would
+# undo the f32 kept on purpose: the int8 scales (``keep_f32``), the masks (finfo(f32).min is -inf in bf16), HF's
+# f32 RMSNorm and softmax, the f32 logits. The activation stays transformers' own ``gelu_pytorch_tanh``:
+# ``F.gelu(approximate="tanh")``, which torch-xla lowers natively (pytorch/xla #3039, #3531) to the same
+# 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))) the explicit module spells out, so the HLO is the same math. To
+# reproduce the published build exactly, pass its flags with ``--compiler-args``.
+NEURON_NOTES = """\
+--target neuron:
+  Runs on a Neuron host (trn1/inf2 with the Neuron SDK): trace(initialize_model_weights=True) shards the weights
+  and loads them onto the NeuronCores, so the compile host needs Neuron devices with HBM for one rank's shard
+  each, not only host RAM. ModelBuilder writes the per-rank sharded safetensors (~26.7 GB for the 26B int8
+  build) and the NEFFs to OUT/compiler_workdir; the weights also live inside OUT/sqz_neff.pt, so the work
+  directory is deleted once the sharded checkpoint has been checked (--keep-compiler-workdir keeps it; move it
+  out of OUT before publishing OUT). The build fails if a tensor-parallel weight was left unsharded.
+  Compiler flags: NxD's defaults (--auto-cast=none --model-type=transformer -O1); see NEURON_NOTES' comment in
+  the script for why, and --compiler-args to override.
+"""
+
+
+def _sibling(name: str) -> object:
+    """A module from a file next to this script, loaded by path: the script runs standalone, outside ``server``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def import_neuron() -> dict[str, object]:
     """The only place the Neuron stack is imported (so CPU runs and tests never need it)."""
     try:
+        # transformers.utils.fx stand-in + neuron.SPMDModel: the same preparation the server's graph load does.
+        _sibling("neuron_prelude").prepare_neuron_imports()
         import torch_neuronx  # noqa: F401  (registers the Neuron TorchScript classes)
         from neuronx_distributed.parallel_layers import mappings
         from neuronx_distributed.trace import trace as nxd_trace
@@ -899,12 +935,46 @@ def import_neuron() -> dict[str, object]:
     }
 
 
+def check_sharded_checkpoint(template: nn.Module, workdir: Path, tp: int) -> None:
+    """Fail loudly unless every rank's sharded checkpoint holds each weight at the module's rank-local shape.
+
+    The sharding relies on our modules being in NxD's supported-modules registry (patched in ``build_neuron``);
+    if a later NxD moves it, the sharder copies full tensors instead of slices, and nothing else would say so.
+    ``template`` is built with the build's Plan (on "meta"): its parameters have the rank-local shapes.
+    """
+    from safetensors import safe_open
+
+    expected = {name: tuple(p.shape) for name, p in template.named_parameters()}
+    parallel = {name for name, p in template.named_parameters() if is_parallel(p)}
+    problems: list[str] = []
+    for rank in range(tp):
+        found = sorted(workdir.rglob(f"tp{rank}_sharded_checkpoint.safetensors"))
+        if len(found) != 1:
+            problems.append(f"rank {rank}: {len(found)} tp{rank}_sharded_checkpoint.safetensors under {workdir}")
+            continue
+        with safe_open(str(found[0]), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+        problems += [f"rank {rank}: {name} missing" for name in sorted(parallel - shapes.keys())]
+        problems += [
+            f"rank {rank}: {name} is {shape}, the rank-local shape is {expected[name]}"
+            for name, shape in sorted(shapes.items())
+            if name in expected and shape != expected[name]
+        ]
+    if problems:
+        shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+        raise SystemExit(
+            f"the sharded checkpoint does not match tp={tp} ({len(problems)} problems; did NxD stop sharding our "
+            f"ShardLinear/DenseExperts?):\n  {shown}"
+        )
+
+
 def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path) -> dict:
     nxd = import_neuron()
     mappings, nxd_trace = nxd["mappings"], nxd["nxd_trace"]
     BaseModelInstance, ModelBuilder = nxd["BaseModelInstance"], nxd["ModelBuilder"]  # noqa: N806
 
     # NxD's sharder only splits parameters of module classes it knows; ours carry the same TP attributes.
+    # check_sharded_checkpoint below fails the build if this stops working.
     registry = "__SUPPORTED_SHARDED_MODULES"
     setattr(nxd_trace, registry, tuple(getattr(nxd_trace, registry)) + (ShardLinear, DenseExperts))
 
@@ -926,29 +996,34 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
             self.input_output_aliases = [self.module.state_aliases()]
 
     converted: dict[str, torch.Tensor] = {}
+    template = build_model(cfg, plan, LOCAL, device="meta")  # names and rank-local shapes only
 
     def checkpoint_loader() -> dict[str, torch.Tensor]:
         if not converted:
-            template = build_model(cfg, plan, LOCAL, device="meta")  # names and shapes only
             converted.update(convert_checkpoint(reader, template))
         return dict(converted)  # the sharder replaces entries per rank: hand out a fresh mapping each call
 
+    workdir = out / "compiler_workdir"
     builder = ModelBuilder(
         router=None,
         tp_degree=args.tp,
         checkpoint_loader=checkpoint_loader,
-        compiler_workdir=str(out / "compiler_workdir"),
+        compiler_workdir=str(workdir),
     )
     for key, t, start in (("prefill", args.prefill_bucket, 0), ("decode", 1, args.prefill_bucket)):
         builder.add(
             key=key,
             model_instance=Instance(),
             example_inputs=[example_inputs(cfg, t, start, args.max_total)],
-            compiler_args=args.compiler_args,
+            compiler_args=args.compiler_args,  # None: NxD's defaults, on purpose (see NEURON_NOTES' comment)
         )
+    # Needs the NeuronCores: the sharded weights are written to the work dir and loaded onto the device here.
     nxd_model = builder.trace(initialize_model_weights=True)
     torch.jit.save(nxd_model, str(out / "sqz_neff.pt"))
-    return write_graph_json(
+    converted.clear()
+    # Before graph.json: a badly sharded build must not look like a complete artifact directory.
+    check_sharded_checkpoint(template, workdir, args.tp)
+    record = write_graph_json(
         out,
         cfg=cfg,
         max_total=args.max_total,
@@ -957,6 +1032,9 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         graph_file="sqz_neff.pt",
         quant=args.quant,
     )
+    if not args.keep_compiler_workdir:
+        shutil.rmtree(workdir)  # ~26.7 GB of sharded weights + NEFFs; sqz_neff.pt carries the weights itself
+    return record
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -965,7 +1043,9 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=NEURON_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--checkpoint", type=Path, help="transformers checkpoint dir (Gemma4ForCausalLM or gemma4)")
     p.add_argument("--out", type=Path, help="artifact directory to write")
     p.add_argument("--target", choices=("neuron", "cpu"), default="neuron")
@@ -974,7 +1054,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-bucket", type=int, default=128, help="prefill chunk length (BUCKET)")
     p.add_argument("--quant", choices=QUANT_MODES, default="int8")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
-    p.add_argument("--compiler-args", default=None, help="neuronx-cc flags (default: ModelBuilder's)")
+    p.add_argument("--compiler-args", default=None,
+                   help="neuronx-cc flags (default: NxD ModelBuilder's, --auto-cast=none --model-type=transformer -O1)")
+    p.add_argument("--keep-compiler-workdir", action="store_true",
+                   help="--target neuron: keep OUT/compiler_workdir (sharded weights + NEFFs, ~26.7 GB for the 26B)")
     p.add_argument("--residency", action="store_true", help="print per-rank device memory by component and exit")
     p.add_argument("--config", type=Path, help="config.json for --residency")
     p.add_argument("--json", action="store_true", help="with --residency: last line is one JSON object of bytes")
