@@ -20,15 +20,28 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 
 # Only requirements.txt goes on top of the image, and it must not move the Neuron stack: requirements.txt
-# lists no torch, and the constraints pin what the image ships (torch, torch-neuronx, NxD, the compiler),
-# so a dependency asking for another torch fails the build here instead of silently breaking the graph load.
+# lists no torch, and the constraints pin what the image ships (torch, torch-xla, torch-neuronx, NxD, the
+# compiler, numpy under their compiled extensions), so a dependency asking for another version fails the build
+# here instead of silently breaking the graph load.
+# transformers: Gemma-4 needs 5.x. NxD itself declares no transformers requirement (only torch-neuronx,
+# torch-xla, safetensors); its one transformers import, transformers.utils.fx, gone in 5.x, is stood in for by
+# server/vendor/neuron_prelude.py. NxD Inference pins transformers==4.57.*, and nothing here uses it: it is
+# removed, so the environment is consistent rather than one pin silently broken.
+# `pip check` before and after: the base installs NxD with --no-deps and may carry reports of its own; the build
+# fails only on a report our install added (a package of the image whose declared needs we broke).
 COPY requirements.txt /app/requirements.txt
-RUN pip list --format=freeze | grep -iE '^(torch|torch[-_]neuronx|torchvision|neuronx[-_]cc|neuronx[-_]distributed|neuronx[-_]distributed[-_]inference|libneuronxla)==' \
+RUN pip list --format=freeze | grep -iE '^(torch|torch[-_]xla|torch[-_]neuronx|torchvision|neuronx[-_]cc|neuronx[-_]distributed|libneuronxla|numpy)==' \
         > /tmp/neuron-stack.txt \
  && grep -iq '^torch==' /tmp/neuron-stack.txt \
+ && { pip check > /tmp/pip-check-base.txt || true; } \
+ && pip uninstall -y neuronx-distributed-inference \
  && pip install -c /tmp/neuron-stack.txt -r /app/requirements.txt \
  && pip list --format=freeze | grep -iE '^torch==' | cmp - <(grep -iE '^torch==' /tmp/neuron-stack.txt) \
- && rm -f /tmp/neuron-stack.txt
+ && { pip check > /tmp/pip-check-ours.txt || true; } \
+ && if comm -13 <(sort /tmp/pip-check-base.txt) <(sort /tmp/pip-check-ours.txt) | grep . >&2; then \
+        echo "requirements.txt broke what the image's packages declare they need (above)" >&2; exit 1; \
+    fi \
+ && rm -f /tmp/neuron-stack.txt /tmp/pip-check-base.txt /tmp/pip-check-ours.txt
 
 COPY server/ /app/server/
 COPY entrypoint.sh /app/entrypoint.sh
@@ -38,11 +51,11 @@ RUN chmod 0755 /app/entrypoint.sh \
  && python -c "import server.api.serve, server.fetch, server.runtime" \
  && python -m server check --help > /dev/null
 
-# Both NeuronCores: the graph is compiled for tensor parallelism 2.
+# Both NeuronCores (the range form AWS documents): the graph is compiled for tensor parallelism 2.
 # No Xet chunk cache: it would keep up to 10 GB of a one-time download in the container's writable layer,
 # on the same disk as the /data volume, behind the back of fetch's free-space check.
 # Start-up caches (derived model structure, fast-loading tokenizer) on the volume: they survive the container.
-ENV NEURON_RT_VISIBLE_CORES=0,1 \
+ENV NEURON_RT_VISIBLE_CORES=0-1 \
     HOST=0.0.0.0 \
     PORT=8080 \
     ARTIFACTS_DIR=/data \
