@@ -901,6 +901,8 @@ NEURON_NOTES = """\
   build) and the NEFFs to OUT/compiler_workdir; the weights also live inside OUT/sqz_neff.pt, so the work
   directory is deleted once the sharded checkpoint has been checked (--keep-compiler-workdir keeps it; move it
   out of OUT before publishing OUT). The build fails if a tensor-parallel weight was left unsharded.
+  On the device the graph returns the logits alone (NxD drops aliased outputs; the KV stays in nxd_model.state);
+  the --target cpu trace returns (logits, *kv).
   Compiler flags: NxD's defaults (--auto-cast=none --model-type=transformer -O1); see NEURON_NOTES' comment in
   the script for why, and --compiler-args to override.
 """
