@@ -174,3 +174,15 @@ def test_sharded_checkpoint_check_fails_loudly_on_unsharded_linears(tp2_template
     _write_ranks(tmp_path / "wd", [recipe.shard_state_dict(template, full, 0, 2)])  # rank 1's file never written
     with pytest.raises(SystemExit, match="rank 1: 0 tp1_sharded_checkpoint"):
         recipe.check_sharded_checkpoint(template, tmp_path / "wd", 2)
+
+
+def test_recipe_imports_nxd_through_the_prelude(tmp_path: Path) -> None:
+    """With NxD present, the recipe's Neuron import gets past transformers.utils.fx (the stand-in NxD has nothing
+    beyond the model builder, so it stops at the next NxD module: the point is which error it is)."""
+    env = {**os.environ, "PYTHONPATH": str(STANDIN), "NXD_STANDIN_RECORD": str(tmp_path / "calls.jsonl")}
+    done = subprocess.run([sys.executable, str(H.SCRIPT), "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"),
+                           "--target", "neuron"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "transformers.utils.fx" not in done.stderr
+    assert "No module named 'neuronx_distributed.parallel_layers'" in done.stderr
+    assert not (tmp_path / "o").exists()
