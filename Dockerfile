@@ -46,9 +46,11 @@ RUN pip list --format=freeze | grep -iE '^(torch|torch[-_]xla|torch[-_]neuronx|t
 COPY server/ /app/server/
 COPY entrypoint.sh /app/entrypoint.sh
 # Import the server against the image's torch now: a dependency clash fails the build, not the first start
-# on the inf2 host (nothing here touches a NeuronCore, so any build machine can run it).
+# on the inf2 host (nothing here touches a NeuronCore, so any build machine can run it). That includes NxD's
+# model builder next to transformers 5, exactly as the graph load imports it.
 RUN chmod 0755 /app/entrypoint.sh \
  && python -c "import server.api.serve, server.fetch, server.runtime" \
+ && python -c "from server.vendor.neuron_prelude import prepare_neuron_imports as p; assert p(), 'no NxD'" \
  && python -m server check --help > /dev/null
 
 # Both NeuronCores (the range form AWS documents): the graph is compiled for tensor parallelism 2.

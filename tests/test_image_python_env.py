@@ -111,3 +111,10 @@ def test_the_build_runs_pip_check_before_and_after_our_install() -> None:
     assert "exit 1" in steps[where["compare"]], "a report our install added must fail the build"
     pinned = re.search(r"grep -iE '\^\((.*?)\)==", install)[1].split("|")
     assert {"torch", "torch[-_]xla", "torch[-_]neuronx", "neuronx[-_]distributed", "numpy"} <= set(pinned)
+
+
+def test_the_build_imports_nxd_through_the_prelude_after_our_install() -> None:
+    runs = [r.args for r in _all(parse_dockerfile((ROOT / "Dockerfile").read_text(encoding="utf-8")), "RUN")]
+    install = next(i for i, r in enumerate(runs) if "-r /app/requirements.txt" in r)
+    probe = [i for i, r in enumerate(runs) if "from server.vendor.neuron_prelude import prepare_neuron_imports" in r]
+    assert probe and probe[0] > install, "NxD must be proven importable beside transformers 5 at build time"
