@@ -35,7 +35,7 @@ COPY entrypoint.sh /app/entrypoint.sh
 # Import the server against the image's torch now: a dependency clash fails the build, not the first start
 # on the inf2 host (nothing here touches a NeuronCore, so any build machine can run it).
 RUN chmod 0755 /app/entrypoint.sh \
- && python -c "import server.api.serve, server.fetch, server.runtime" \
+ && python -c "import server.serve, server.fetch, server.runtime" \
  && python -m server check --help > /dev/null
 
 # Both NeuronCores: the graph is compiled for tensor parallelism 2.

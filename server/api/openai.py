@@ -38,9 +38,8 @@ from server.api.schemas import (
 )
 from server.api.service import ClientGone, Service, finish_error
 from server.api.sse import DONE, GenerationStream, frame
-from server.engine import Delta, Finish, GenerationRequest, RequestHandle, TokenLogprob
 from server.errors import APIError
-from server.sampling import SamplingParams
+from server.generation import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.api")
 
@@ -225,7 +224,7 @@ class OpenAIRoutes:
 
     def _sampling(self, body: SamplingFields, top_logprobs: int | None) -> SamplingParams:
         """`top_logprobs` None = no logprobs. Unset fields: the model's defaults, then OpenAI's."""
-        defaults = self.service.host.structure.generation_defaults
+        defaults = self.service.model.generation_defaults
 
         def pick(value: float | None, name: str, fallback: float) -> float:
             return float(value if value is not None else defaults.get(name, fallback))
@@ -246,19 +245,24 @@ class OpenAIRoutes:
             top_logprobs=top_logprobs or 0,
         )
 
+    def _submit(self, ids: Sequence[int], limit: int | None, param: str, **fields: Any) -> RequestHandle:
+        """The one place a GenerationRequest is built from a parsed body: the prompt, its budget, then `fields`."""
+        budget = self.service.budget(len(ids), limit, param)
+        return self.service.submit(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=budget, **fields))
+
     async def _respond(self, request: Request, handle: RequestHandle, fmt: _Format, stream: bool,
                        include_usage: bool) -> Response:
         if stream:
             return GenerationStream(self._stream(handle, fmt, include_usage),
                                     lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
         try:
-            text, deltas, finish = await self.service.collect(request, handle)
+            done = await self.service.collect(request, handle)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        error = finish_error(finish)
+        error = finish_error(done.finish)
         if error is not None:
             raise error
-        return JSONResponse(fmt.body(text, deltas, finish))
+        return JSONResponse(fmt.body(done.text, done.deltas, done.finish))
 
     async def _stream(self, handle: RequestHandle, fmt: _Format, include_usage: bool) -> AsyncIterator[bytes]:
         try:
@@ -296,9 +300,8 @@ class OpenAIRoutes:
         sampling = self._sampling(body, top_logprobs)
         ids = await self.service.chat_ids(body.messages)
         response_id = f"chatcmpl-{request.state.request_id}"
-        generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.token_limit, "messages"),
-                                       sampling, body.stop, response_id)
-        handle = self.service.submit(generation)
+        handle = self._submit(ids, body.token_limit, "messages", sampling=sampling, stop=body.stop,
+                              request_id=response_id)
         fmt = ChatFormat(self.service, response_id, model, top_logprobs is not None)
         return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
 
@@ -319,9 +322,8 @@ class OpenAIRoutes:
             self.service.check_token_ids(ids, "prompt")
             prompt_text = await self.service.decode(ids) if body.echo else ""
         response_id = f"cmpl-{request.state.request_id}"
-        generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.token_limit, "prompt"),
-                                       sampling, body.stop, response_id)
-        handle = self.service.submit(generation)
+        handle = self._submit(ids, body.token_limit, "prompt", sampling=sampling, stop=body.stop,
+                              request_id=response_id)
         fmt = CompletionFormat(self.service, response_id, model, body.logprobs is not None,
                                echo=prompt_text if body.echo else "")
         return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
@@ -331,17 +333,17 @@ class OpenAIRoutes:
     async def generate(self, request: Request) -> Response:
         body = parse(GenerateRequest, await self._body(request))
         ids = await self.service.chat_ids([Message(role="user", content=body.prompt)])
-        generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.max_new_tokens, "prompt"),
-                                       SamplingParams(temperature=0.0), (), f"gen-{request.state.request_id}")
-        handle = self.service.submit(generation)
+        handle = self._submit(ids, body.max_new_tokens, "prompt", sampling=SamplingParams(temperature=0.0),
+                              request_id=f"gen-{request.state.request_id}")
         try:
-            text, _, finish = await self.service.collect(request, handle)
+            done = await self.service.collect(request, handle)
         except ClientGone:
             return Response(status_code=499)
+        finish = done.finish
         error = finish_error(finish)
         if error is not None:
             raise error
-        return JSONResponse({"prompt": body.prompt, "response": text, "prompt_tokens": finish.prompt_tokens,
+        return JSONResponse({"prompt": body.prompt, "response": done.text, "prompt_tokens": finish.prompt_tokens,
                              "gen_tokens": finish.completion_tokens, "finish_reason": finish.reason})
 
     # ------------------------------------------------------------------ tokenizer routes and models

@@ -1,7 +1,8 @@
-"""What the routes drive: the engine, the host's tokenizer and limits, the metrics, and the requests in flight.
+"""What the routes drive: the engine, the model's tokenizer and limits, the metrics, and the requests in flight.
 
-Everything model-specific comes from the host (tokenizer with its chat template, vocabulary size, context size,
-generation defaults); nothing here branches on the model type or touches a tensor.
+Everything model-specific comes from the `ModelInfo` (tokenizer with its chat template, vocabulary size, context
+size, generation defaults); nothing here branches on the model type or touches a tensor. The engine's refusals and
+a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere else.
 """
 
 from __future__ import annotations
@@ -20,9 +21,21 @@ from starlette.requests import Request
 from server.api.metrics import Metrics
 from server.api.schemas import Message
 from server.config import Settings
-from server.engine import Delta, Engine, Event, Finish, GenerationRequest, RequestHandle
 from server.errors import APIError
-from server.runtime import Host
+from server.generation import (
+    Completion,
+    Delta,
+    EngineAPI,
+    EngineError,
+    EngineNotReady,
+    Event,
+    Finish,
+    GenerationRequest,
+    ModelInfo,
+    QueueFull,
+    RequestHandle,
+    collect,
+)
 
 log = logging.getLogger("server.api")
 
@@ -34,17 +47,16 @@ class ClientGone(Exception):
 
 
 class Service:
-    def __init__(self, settings: Settings, engine: Engine, host: Host, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, engine: EngineAPI, model: ModelInfo, metrics: Metrics) -> None:
         self.settings = settings
         self.engine = engine
-        self.host = host
-        self.tokenizer = host.tokenizer
+        self.model = model
+        self.tokenizer = model.tokenizer
         self.metrics = metrics
-        self.model_name = host.model_name
-        self.max_total = host.max_total
-        self.vocab_size = host.structure.vocab_size
+        self.model_name = model.name
+        self.max_total = model.max_total
+        self.vocab_size = model.vocab_size
         self.created = int(time.time())
-        self.inflight: set[RequestHandle] = set()  # submitted, Finish not yet received
         self._waiters: dict[RequestHandle, asyncio.Task[None]] = {}  # released requests awaiting their Finish
         self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
 
@@ -113,9 +125,10 @@ class Service:
     # ----------------------------------------------------------------- running requests
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        handle = self.engine.submit(request)  # raises 503 (not ready / draining) or 429 (queue full)
-        self.inflight.add(handle)
-        return handle
+        try:
+            return self.engine.submit(request)
+        except EngineError as exc:
+            raise engine_error(exc) from None
 
     async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
         """The engine's events, with the metrics and the one log line per request.
@@ -141,7 +154,7 @@ class Service:
     def release(self, handle: RequestHandle) -> None:
         """The caller is gone: cancel the request (frees the device within one step) and still count and log its
         Finish when it comes. A no-op for requests already finished or released."""
-        if handle not in self.inflight or handle in self._waiters:
+        if handle.delivered or handle in self._waiters:
             return
         handle.cancel()
         task = asyncio.ensure_future(self._await_finish(handle))
@@ -156,10 +169,8 @@ class Service:
                         self._finished(handle, event)
         except TimeoutError:
             log.error("%s: no Finish from the engine after cancelling", handle.request.request_id)
-            self.inflight.discard(handle)
 
     def _finished(self, handle: RequestHandle, finish: Finish) -> None:
-        self.inflight.discard(handle)
         self.metrics.observe_finish(finish)
         decode_s = finish.total_s - (finish.ttft_s or finish.total_s)
         rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else 0.0
@@ -169,18 +180,9 @@ class Service:
                  ttft, rate, finish.queue_wait_s, finish.total_s, finish.reason,
                  " (wall-clock limit)" if finish.timed_out else "", f" error={finish.error}" if finish.error else "")
 
-    async def collect(self, request: Request, handle: RequestHandle) -> tuple[str, list[Delta], Finish]:
+    async def collect(self, request: Request, handle: RequestHandle) -> Completion:
         """Run a non-streaming request to its end, cancelling it at once if the client disconnects meanwhile."""
-
-        async def consume() -> tuple[str, list[Delta], Finish]:
-            deltas: list[Delta] = []
-            async for event in self.events(handle):
-                if isinstance(event, Finish):
-                    return "".join(d.text for d in deltas), deltas, event
-                deltas.append(event)
-            raise AssertionError("the engine ends every request with a Finish")
-
-        consumer = asyncio.ensure_future(consume())
+        consumer = asyncio.ensure_future(collect(self.events(handle)))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -200,9 +202,8 @@ class Service:
         log.info("draining: %d request(s) in flight, up to %g s", self.engine.admitted, grace_s)
         if await self.engine.wait_idle(grace_s):
             return True
-        log.warning("cancelling %d request(s) still in flight after %g s", len(self.inflight), grace_s)
-        for handle in list(self.inflight):
-            handle.cancel()
+        log.warning("cancelling %d request(s) still in flight after %g s", len(self.engine.in_flight()), grace_s)
+        self.engine.cancel_all()
         return await self.engine.wait_idle(5.0)
 
 
@@ -221,3 +222,12 @@ def finish_error(finish: Finish) -> APIError | None:
         return APIError(503, "The request was cancelled: the server is shutting down.", code="cancelled",
                         headers={"Retry-After": "5"})
     return None
+
+
+def engine_error(exc: EngineError) -> APIError:
+    """The engine's refusals as HTTP statuses: the one place they are chosen."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), code="queue_full", headers=headers)
+    state = exc.state if isinstance(exc, EngineNotReady) else "error"
+    return APIError(503, str(exc), code=f"model_{state}", headers=headers)
