@@ -29,25 +29,17 @@ class Option:
     shown: str  # the default, as --help and the README table say it
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
-    return value
+def _bounded(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (value > low if strict else value >= low):
+            raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {value}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise ValueError(f"must be >= 0, got {value}")
-    return value
+_positive_int, _positive_float, _non_negative_float = _bounded(int, 1, False), _bounded(float, 0, True), _bounded(float, 0, False)
 
 
 def _user_path(text: str) -> Path:

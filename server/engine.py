@@ -113,7 +113,7 @@ class Engine:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the graph loaded (True: the engine serves) or failed to (False), or `timeout` passed."""
-        return self._settled.wait(timeout) and self.ready
+        return self._settled.wait(timeout) and self.state == "ok"
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -156,10 +156,6 @@ class Engine:
         if state == "error":
             return self._load_error or self._shared.stall or ""
         return "shutting down" if state == "draining" else ""
-
-    @property
-    def ready(self) -> bool:
-        return self.state == "ok"
 
     @property
     def queue_depth(self) -> int:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -167,15 +167,6 @@ async def collect(events: AsyncIterator[Event]) -> Completion:
     raise AssertionError("the event stream ended without a Finish")
 
 
-class Tokenizer(Protocol):
-    """What serving needs of a tokenizer (server.tokenizer.HostTokenizer is one)."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
-    def convert_ids_to_tokens(self, ids: Any) -> Any: ...
-    def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """The facts about the served model that the HTTP layer needs."""
@@ -184,7 +175,9 @@ class ModelInfo:
     max_total: int  # context: prompt + completion
     vocab_size: int
     generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
-    tokenizer: Tokenizer
+    # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
+    # server.tokenizer.HostTokenizer's serving surface
+    tokenizer: Any
 
 
 class EngineAPI(Protocol):

@@ -39,7 +39,7 @@ import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -52,7 +52,7 @@ _ARGMAX_BLOCK = 256
 # First candidate count when top-k is off but top-p/min-p still truncate; grows 8x until the kept set fits.
 _FIRST_PROBE = 64
 _LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
-# Up to this top-k, steps 5-9 run on the k candidates as Python floats (`_Floats`): a handful of torch calls
+# Up to this top-k, steps 5-9 run on the k candidates as Python floats (`_FLOATS`): a handful of torch calls
 # instead of ~25. What that buys is measured between device steps, where caches have gone cold and every torch
 # call costs ~25 us more (default sampling then: ~0.6 ms with tensors vs ~0.4 ms with Python floats here).
 _PYTHON_TOP_K = 256
@@ -134,7 +134,7 @@ def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
 def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float, out: torch.Tensor) -> float:
     """sum(exp(cap(x) * inv_t - shift)) over the whole row, leaving the terms in `out` (no allocation).
 
-    The same float operations as `_Tensors.scale`, so a token's term here equals its term computed on candidates."""
+    The same float operations as `_tensor_scale`, so a token's term here equals its term computed on candidates."""
     if softcap is None:
         out.copy_(x)  # (V,)
     else:
@@ -144,59 +144,37 @@ def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float,
     return float(out.sub_(shift).exp_().sum())
 
 
-class _Floats:
-    """Steps 5-9 on Python floats: a handful of torch calls instead of ~25 for a small top-k (see _PYTHON_TOP_K)."""
+class _Ops(NamedTuple):
+    """The five operations steps 5-9 need, on one kind of candidate list."""
 
-    @staticmethod
-    def scale(values: list[float], softcap: float | None, inv_t: float) -> list[float]:
-        if softcap is not None:
-            values = [softcap * math.tanh(v / softcap) for v in values]
-        return [v * inv_t for v in values]
-
-    @staticmethod
-    def weights(scaled: list[float], peak: float) -> list[float]:
-        return [math.exp(v - peak) for v in scaled]
-
-    @staticmethod
-    def cumsum(weights: list[float]) -> list[float]:
-        return list(itertools.accumulate(weights))
-
-    @staticmethod
-    def count_at_least(weights: list[float], threshold: float) -> int:
-        return sum(1 for w in weights if w >= threshold)
-
-    @staticmethod
-    def below(cum: list[float], target: float, n: int, right: bool = False) -> int:
-        """How many of cum[:n] are < target (<= target with `right`)."""
-        return (bisect.bisect_right if right else bisect.bisect_left)(cum, target, 0, n)
+    scale: Callable[[Any, float | None, float], Any]  # soft-cap, then temperature; a new sequence
+    weights: Callable[[Any, float], Any]  # exp(scaled - peak)
+    cumsum: Callable[[Any], Any]
+    count_at_least: Callable[[Any, float], int]
+    below: Callable[..., int]  # (cum, target, n, right=False): how many of cum[:n] are < target (<= with right)
 
 
-class _Tensors:
-    """Steps 5-9 as torch ops: any number of candidates."""
-
-    @staticmethod
-    def scale(values: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
-        scaled = _cap(values, softcap)  # a new tensor
-        return scaled if inv_t == 1.0 else scaled.mul_(inv_t)
-
-    @staticmethod
-    def weights(scaled: torch.Tensor, peak: float) -> torch.Tensor:
-        return scaled.sub_(peak).exp_()
-
-    @staticmethod
-    def cumsum(weights: torch.Tensor) -> torch.Tensor:
-        return weights.cumsum(0)
-
-    @staticmethod
-    def count_at_least(weights: torch.Tensor, threshold: float) -> int:
-        return int((weights >= threshold).sum())
-
-    @staticmethod
-    def below(cum: torch.Tensor, target: float, n: int, right: bool = False) -> int:
-        return int(torch.searchsorted(cum[:n], target, right=right))
+def _float_scale(values: list[float], softcap: float | None, inv_t: float) -> list[float]:
+    if softcap is not None:
+        values = [softcap * math.tanh(v / softcap) for v in values]
+    return [v * inv_t for v in values]
 
 
-Ops = type[_Floats] | type[_Tensors]
+def _tensor_scale(values: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
+    scaled = _cap(values, softcap)  # a new tensor
+    return scaled if inv_t == 1.0 else scaled.mul_(inv_t)
+
+
+# Python floats: a handful of torch calls instead of ~25 for a small top-k (see _PYTHON_TOP_K).
+_FLOATS = _Ops(
+    _float_scale, lambda scaled, peak: [math.exp(v - peak) for v in scaled], lambda w: list(itertools.accumulate(w)),
+    lambda w, threshold: sum(1 for x in w if x >= threshold),
+    lambda cum, target, n, right=False: (bisect.bisect_right if right else bisect.bisect_left)(cum, target, 0, n))
+# Tensors: any number of candidates.
+_TENSORS = _Ops(
+    _tensor_scale, lambda scaled, peak: scaled.sub_(peak).exp_(), lambda w: w.cumsum(0),
+    lambda w, threshold: int((w >= threshold).sum()),
+    lambda cum, target, n, right=False: int(torch.searchsorted(cum[:n], target, right=right)))
 
 
 class Candidates(NamedTuple):
@@ -206,10 +184,10 @@ class Candidates(NamedTuple):
     weights: Any  # (m,) unnormalised probabilities exp(scaled logit - shift)
     cum: Any  # (m,) cumulative sums of weights
     n: int  # the survivors of min-p and top-p: a prefix
-    ops: Ops = _Tensors
+    ops: _Ops = _TENSORS
 
 
-def _truncate(values: Any, params: SamplingParams, softcap: float | None, ops: Ops,
+def _truncate(values: Any, params: SamplingParams, softcap: float | None, ops: _Ops,
               total: float | None = None) -> tuple[Any, Any, int]:
     """Steps 5-8, the one definition, on candidate logits best first: soft-cap, temperature, min-p, top-p.
 
@@ -241,15 +219,15 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
     assert not params.greedy and x.dim() == 1, "sampling path needs temperature > 0 and a [V] row"
     vocab = x.numel()
     if 0 < params.top_k < vocab:
-        ops: Ops = _Floats if (params.top_k <= _PYTHON_TOP_K if floats is None else floats) else _Tensors
-        values, ids = topk(x, params.top_k, as_lists=ops is _Floats)  # (k,) best first
+        ops: _Ops = _FLOATS if (params.top_k <= _PYTHON_TOP_K if floats is None else floats) else _TENSORS
+        values, ids = topk(x, params.top_k, as_lists=ops is _FLOATS)  # (k,) best first
         return Candidates(ids, *_truncate(values, params, softcap, ops), ops)
 
     buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
     inv_t = 1.0 / params.temperature
     if params.min_p <= 0.0 and params.top_p >= 1.0:
         # Nothing truncates: the whole vocabulary, in id order (no sort needed to draw by inverse CDF).
-        peak = float(_Tensors.scale(x.amax().view(1), softcap, inv_t))
+        peak = float(_tensor_scale(x.amax().view(1), softcap, inv_t))
         _sum_exp(x, softcap, inv_t, peak, buf)
         return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
 
@@ -262,13 +240,13 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
         if params.min_p > 0.0:
             # min-p is a ratio to the best token: the probe holds every survivor once its last (smallest) weight
             # already fails, as every token outside is <= it.
-            weights, cum, n = _truncate(values, params, softcap, _Tensors)
+            weights, cum, n = _truncate(values, params, softcap, _TENSORS)
             if float(weights[-1]) < params.min_p:
                 return Candidates(ids, weights, cum, n)
         else:
             if total is None:
-                total = _sum_exp(x, softcap, inv_t, float(_Tensors.scale(values[:1], softcap, inv_t)), buf)
-            weights, cum, n = _truncate(values, params, softcap, _Tensors, total)
+                total = _sum_exp(x, softcap, inv_t, float(_tensor_scale(values[:1], softcap, inv_t)), buf)
+            weights, cum, n = _truncate(values, params, softcap, _TENSORS, total)
             missing = params.top_p * total - float(cum[-1])
             if missing <= 0.0:
                 return Candidates(ids, weights, cum, n)
@@ -278,7 +256,7 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
         probe *= 8
     # A flat distribution: sort everything, still exact.
     values, ids = torch.sort(x, descending=True)  # (V,)
-    return Candidates(ids, *_truncate(values, params, softcap, _Tensors))
+    return Candidates(ids, *_truncate(values, params, softcap, _TENSORS))
 
 
 def draw(c: Candidates, rng: random.Random) -> int:

@@ -292,12 +292,12 @@ def test_sigterm_with_a_stream_longer_than_the_grace_cancels_it_in_band_and_exit
 def test_a_bug_is_a_json_500_with_the_request_id(faulty: tuple[LiveServer, SlowGraph],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     live, _ = faulty
-    service = live.app.state.service
+    prompts = live.app.state.prompts
 
-    def broken(ids: object) -> str:
+    async def broken(ids: object) -> str:
         raise RuntimeError("a bug in the handler")
 
-    monkeypatch.setattr(service, "_decode", broken)
+    monkeypatch.setattr(prompts, "decode", broken)
     r = httpx.post(f"{live.url}/detokenize", json={"tokens": [2, 651]}, headers={"X-Request-Id": "bug-1"}, timeout=30)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
     assert r.headers.get_list("x-request-id") == ["bug-1"] and "Traceback" not in r.text

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.metrics import Metrics, MetricsMiddleware
 from server.api.openai import OpenAIRoutes
+from server.api.prompts import Prompts
 from server.api.service import Service
 from server.config import Settings
 from server.errors import APIError
@@ -117,8 +118,8 @@ def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
 
 def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starlette:
     metrics = Metrics(engine)
-    service = Service(settings, engine, model, metrics)
-    api = OpenAIRoutes(service)
+    service, prompts = Service(settings, engine, metrics), Prompts(model)
+    api = OpenAIRoutes(service, prompts)
 
     async def health(request: Request) -> Response:
         state = engine.state
@@ -159,5 +160,5 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
         lifespan=lifespan,
     )
     app.state.drain = service.drain
-    app.state.service = service
+    app.state.service, app.state.prompts = service, prompts
     return app
