@@ -9,13 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from server.config import Settings, add_options
-
-DEFAULT_CACHE = "~/.cache/gemma4-optb"
-
-
-def _cache_root(flag: str | None, environ: Mapping[str, str]) -> Path:
-    return Path(flag or environ.get("GEMMA4_OPTB_CACHE") or DEFAULT_CACHE).expanduser()
+from server.config import GRAPH_KINDS, Settings, add_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,13 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="exit 0 if the artifact directory is complete for the graph, else say why")
     check.add_argument("--artifacts", required=True, type=Path)
-    check.add_argument("--graph", default="auto", choices=("auto", "jit", "hf", "null"))
+    check.add_argument("--graph", default="auto", choices=GRAPH_KINDS)
 
     fetch = sub.add_parser("fetch", help="download the artifacts of a Hugging Face repo, then validate them")
     fetch.add_argument("--repo", required=True)
     fetch.add_argument("--dest", required=True, type=Path)
     fetch.add_argument("--revision", default=None)
-    fetch.add_argument("--graph", default="auto", choices=("auto", "jit", "hf", "null"))
+    fetch.add_argument("--graph", default="auto", choices=GRAPH_KINDS)
 
     export = sub.add_parser("export", help="a transformers checkpoint dir or .gguf file -> an artifact dir (hf graph)")
     export.add_argument("--from", dest="source", required=True, type=Path)
@@ -47,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
     bench.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
-    bench.add_argument("--cache-dir", default=None, help=f"where the real-size table is cached (default {DEFAULT_CACHE})")
+    add_options(bench, names=("cache_dir",))  # where the real-size table is cached
     bench.add_argument("--tokens", type=int, default=200, help="generated tokens per measured stream")
     return parser
 
@@ -84,33 +78,31 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         from server.fetch import fetch
 
         _setup_logging("info")
-        token = environ.get("HF_TOKEN") or None
-        return fetch(args.repo, args.dest, revision=args.revision, token=token, graph=args.graph)
-
-    if args.command == "bench":
-        from server.bench import run_bench
-
-        _setup_logging("warning")
-        return run_bench(_cache_root(args.cache_dir, environ), json_path=args.json_path, tokens=args.tokens)
+        # No token passed: huggingface_hub reads HF_TOKEN (or its stored login) itself.
+        return fetch(args.repo, args.dest, revision=args.revision, graph=args.graph)
 
     try:
         settings = Settings.from_cli(args, environ)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    _setup_logging(settings.log_level)
-    from dataclasses import replace
+    assert settings.cache_dir is not None  # from_cli fills in the default
+    if args.command == "bench":
+        from server.bench import run_bench
 
-    cache_dir = settings.cache_dir or _cache_root(None, environ)
-    settings = replace(settings, cache_dir=cache_dir)
+        _setup_logging("warning")
+        return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens)
+    _setup_logging(settings.log_level)
     if args.command == "demo":
+        from dataclasses import replace
+
         from server.demo import demo_artifacts
 
-        root = demo_artifacts(cache_dir)
+        root = demo_artifacts(settings.cache_dir)
         settings = replace(settings, artifacts=root, graph="hf",
                            served_model_name=settings.served_model_name or "gemma-3-270m")
 
-    from server.api.serve import serve
+    from server.serve import serve
 
     return serve(settings)
 

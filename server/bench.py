@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from server.generation import SamplingParams
+
 if TYPE_CHECKING:
     from server.engine import Engine
     from server.runtime import Host
@@ -110,8 +112,29 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def full_sort_top_p(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                    softcap: float | None = 30.0) -> int:
+    """One token the naive way (bias, soft-cap and sort the whole vocabulary, mask, multinomial): the baseline."""
+    x = logits.clone()  # (V,)
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    if params.greedy:
+        return int(x.argmax())
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)  # (V,)
+    values, order = torch.sort(x / params.temperature, descending=True)  # (V,), (V,)
+    if 0 < params.top_k < x.numel():
+        values[params.top_k :] = -math.inf
+    probs = torch.softmax(values, 0)  # (V,) best first
+    if params.min_p > 0.0:
+        probs[probs < params.min_p * probs[0]] = 0.0
+    if params.top_p < 1.0:
+        probs[probs.cumsum(0) - probs >= params.top_p * probs.sum()] = 0.0
+    return int(order[torch.multinomial(probs, 1, generator=generator)])
+
+
 def measure_sampling(repeats: int = 200) -> dict[str, float]:
-    from server.sampling import Sampler, SamplingParams, full_sort_top_p
+    from server.sampling import Sampler
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(VOCAB, generator=generator) * 3.0  # [V]
@@ -167,28 +190,23 @@ def measure_idle_floor(idle_s: float = 0.03, repeats: int = 100) -> dict[str, fl
 
 def _running_engine(host: Host, *, prefix_reuse: bool = True) -> Engine:
     """An engine on the host's null graph (as `serve --graph null` builds it), loaded and ready."""
-    from server.engine import Engine
-    from server.runtime import graph_loader
+    from server.runtime import build_engine
 
-    graph = graph_loader(host)()
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, lambda: graph,
-                    prefix_reuse=prefix_reuse)
+    engine = build_engine(host, prefix_reuse=prefix_reuse)
     engine.start()
-    while engine.state == "loading":
-        time.sleep(0.01)
+    assert engine.wait_ready(60), engine.state_reason
     return engine
 
 
 def measure_engine(host: Host, tokens: int) -> dict[str, float]:
     """The engine alone (no HTTP): per-token gap between events, instant null graph, in this process."""
-    from server.engine import Delta, GenerationRequest
-    from server.sampling import SamplingParams
+    from server.generation import Delta, GenerationRequest, SamplingParams
 
     engine = _running_engine(host)
     results: dict[str, float] = {}
     try:
         async def go(params: SamplingParams) -> list[float]:
-            handle = engine.submit(GenerationRequest((2, 651, 1000), tokens, params))
+            handle = engine.submit(GenerationRequest(prompt_ids=(2, 651, 1000), max_new_tokens=tokens, sampling=params))
             arrivals = [time.perf_counter() async for event in handle.events()
                         if isinstance(event, Delta) and event.token_id is not None]
             return [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:], strict=False)]
@@ -205,8 +223,7 @@ def measure_engine(host: Host, tokens: int) -> dict[str, float]:
 
 def measure_prefix_reuse(host: Host) -> dict[str, float]:
     """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
-    from server.engine import Completion, GenerationRequest
-    from server.sampling import SamplingParams
+    from server.generation import Completion, GenerationRequest, SamplingParams
 
     results: dict[str, float] = {}
     for reuse in (True, False):
@@ -221,7 +238,8 @@ def measure_prefix_reuse(host: Host) -> dict[str, float]:
             prompt = host.tokenizer.encode(text, add_special_tokens=False)  # the template has the BOS
 
             async def go(ids: list[int] = prompt, engine: Engine = engine) -> Completion:
-                return await engine.submit(GenerationRequest(tuple(ids), 40, SamplingParams(temperature=0.0))).result()
+                request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=40, sampling=SamplingParams(temperature=0.0))
+                return await engine.submit(request).result()
 
             completion = asyncio.run(go())
             text, finish = completion.text, completion.finish

@@ -1,8 +1,9 @@
 """One frozen `Settings`, built once at start-up from CLI flags with environment fallbacks.
 
 Nothing else in the package reads the environment: `__main__` hands `os.environ` to `Settings.from_cli`
-and passes the result down explicitly. Every setting is declared once in `OPTIONS`, which drives both
-argparse and the README's settings table, so the two cannot drift apart.
+and passes the result down explicitly (`HF_TOKEN`, for `fetch`, is read by huggingface_hub itself). Every
+setting is declared once, as a `Settings` field that carries its flag, env var, type, default and help;
+`OPTIONS` and argparse derive from those, and tests/test_config.py holds the README's table to them.
 """
 
 from __future__ import annotations
@@ -18,35 +19,27 @@ GRAPH_KINDS = ("auto", "jit", "hf", "null")
 
 @dataclass(frozen=True, slots=True)
 class Option:
-    """One setting: its flag, its environment fallback, its type and default."""
+    """One setting as the command line sees it (derived from its Settings field)."""
 
     name: str  # the Settings field
     flag: str
-    env: str | None
+    env: str
     kind: Callable[[str], Any]
-    default: Any
     help: str
+    shown: str  # the default, as --help and the README table say it
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
-    return value
+def _bounded(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (value > low if strict else value >= low):
+            raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {value}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise ValueError(f"must be >= 0, got {value}")
-    return value
+_positive_int, _positive_float, _non_negative_float = _bounded(int, 1, False), _bounded(float, 0, True), _bounded(float, 0, False)
 
 
 def _user_path(text: str) -> Path:
@@ -59,58 +52,60 @@ def _graph_kind(text: str) -> str:
     return text
 
 
-# Shared by `serve` and `demo`; the order here is the order of the README table.
-OPTIONS: tuple[Option, ...] = (
-    Option("artifacts", "--artifacts", "ARTIFACTS_DIR", Path, Path("/data"), "artifact directory (cfg/, embed_tokens.pt, graph)"),
-    Option("graph", "--graph", "GRAPH", _graph_kind, "auto", "graph kind: auto | jit | hf | null"),
-    Option("host", "--host", "HOST", str, "127.0.0.1", "bind address (the container sets 0.0.0.0)"),
-    Option("port", "--port", "PORT", int, 8080, "TCP port"),
-    Option("api_key", "--api-key", "API_KEY", str, None, "require this key (Authorization: Bearer / X-Api-Key)"),
-    Option("api_key_file", "--api-key-file", "API_KEY_FILE", Path, None, "read the API key from this file"),
-    Option("max_queue", "--max-queue", "MAX_QUEUE", _positive_int, 16, "requests admitted at once, running one included"),
-    Option("served_model_name", "--served-model-name", "SERVED_MODEL_NAME", str, None,
-           "model id in the API (default: the artifact directory's model name)"),
-    Option("device", "--device", "DEVICE", str, "cpu", "torch device for the hf graph (cpu, cuda)"),
-    Option("request_timeout_s", "--request-timeout", "REQUEST_TIMEOUT", _positive_float, 600.0,
-           "wall-clock limit per request, seconds (then finish_reason=length)"),
-    Option("step_timeout_s", "--step-timeout", "STEP_TIMEOUT", _positive_float, 120.0,
-           "a single graph call longer than this fails the request and marks the server unhealthy"),
-    Option("shutdown_grace_s", "--shutdown-grace", "SHUTDOWN_GRACE", _positive_float, 30.0,
-           "on SIGTERM, seconds to let in-flight requests finish"),
-    Option("sse_ping_s", "--sse-ping", "SSE_PING", _positive_float, 15.0, "keep-alive comment interval on streams, seconds"),
-    Option("max_body_bytes", "--max-body-bytes", "MAX_BODY_BYTES", _positive_int, 2 * 1024 * 1024,
-           "largest accepted request body (413 beyond)"),
-    Option("body_timeout_s", "--body-timeout", "BODY_TIMEOUT", _positive_float, 30.0,
-           "seconds a client may take to send its request body (408 beyond: a slow sender cannot hold a connection)"),
-    Option("log_level", "--log-level", "LOG_LEVEL", str, "info", "logging level"),
-    Option("cache_dir", "--cache-dir", "GEMMA4_OPTB_CACHE", _user_path, None,
-           "start-up caches (derived model structure, fast-loading tokenizer) and the demo export "
-           "(default: ~/.cache/gemma4-optb)"),
-    Option("null_step_ms", "--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
-           "with --graph null: simulated device time per graph call, ms (benchmarks)"),
-)
+DEFAULT_CACHE = "~/.cache/gemma4-optb"
+
+
+def _setting(flag: str, env: str, kind: Callable[[str], Any], default: Any, help: str, *,  # noqa: A002
+             shown: str | None = None, repr: bool = True) -> Any:  # noqa: A002
+    """A Settings field that is also a command-line option (the one declaration of that setting).
+
+    `shown`: the default as `--help` and the README say it, when the value is not self-explanatory (None)."""
+    if shown is None:
+        shown = "none" if default is None else f"{default:g}" if isinstance(default, float) else str(default)
+    return field(default=default, repr=repr, metadata={"option": (flag, env, kind, help, shown)})
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    artifacts: Path = Path("/data")
-    graph: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = field(default=None, repr=False)
-    api_key_file: Path | None = None
-    max_queue: int = 16
-    served_model_name: str | None = None
-    device: str = "cpu"
-    request_timeout_s: float = 600.0
-    step_timeout_s: float = 120.0
-    shutdown_grace_s: float = 30.0
-    sse_ping_s: float = 15.0
-    max_body_bytes: int = 2 * 1024 * 1024
-    body_timeout_s: float = 30.0
-    log_level: str = "info"
-    cache_dir: Path | None = None  # main() fills in ~/.cache/gemma4-optb
-    null_step_ms: float = 0.0
+    """Every setting, declared once; the order here is the order of `--help` and of the README table."""
+
+    artifacts: Path = _setting("--artifacts", "ARTIFACTS_DIR", Path, Path("/data"),
+                               "artifact directory (cfg/, embed_tokens.pt, graph)")
+    graph: str = _setting("--graph", "GRAPH", _graph_kind, "auto",
+                          "graph kind: auto (compiled graph if present, else hf), jit, hf, null")
+    host: str = _setting("--host", "HOST", str, "127.0.0.1", "bind address (the container sets 0.0.0.0)")
+    port: int = _setting("--port", "PORT", int, 8080, "TCP port")
+    api_key: str | None = _setting("--api-key", "API_KEY", str, None, "require this key (Authorization: Bearer or "
+                                   "X-Api-Key); /health, /metrics stay open", repr=False)
+    api_key_file: Path | None = _setting("--api-key-file", "API_KEY_FILE", Path, None,
+                                         "read the API key from this file (an empty file is refused at start-up)")
+    max_queue: int = _setting("--max-queue", "MAX_QUEUE", _positive_int, 16,
+                              "requests admitted at once, the running one included (429 beyond)")
+    served_model_name: str | None = _setting("--served-model-name", "SERVED_MODEL_NAME", str, None,
+                                             "model id in the API", shown="from cfg/config.json")
+    device: str = _setting("--device", "DEVICE", str, "cpu", "torch device for the hf graph (cpu, cuda)")
+    request_timeout_s: float = _setting("--request-timeout", "REQUEST_TIMEOUT", _positive_float, 600.0,
+                                        'wall-clock limit per request, seconds (then finish_reason: "length")')
+    step_timeout_s: float = _setting("--step-timeout", "STEP_TIMEOUT", _positive_float, 120.0,
+                                     "one graph call longer than this fails its request; /health says error until "
+                                     "it returns")
+    shutdown_grace_s: float = _setting("--shutdown-grace", "SHUTDOWN_GRACE", _positive_float, 30.0,
+                                       "on SIGTERM, seconds in-flight requests may finish")
+    sse_ping_s: float = _setting("--sse-ping", "SSE_PING", _positive_float, 15.0,
+                                 "keep-alive comment interval on streams, seconds")
+    max_body_bytes: int = _setting("--max-body-bytes", "MAX_BODY_BYTES", _positive_int, 2 * 1024 * 1024,
+                                   "largest accepted request body (413 beyond)")
+    body_timeout_s: float = _setting("--body-timeout", "BODY_TIMEOUT", _positive_float, 30.0,
+                                     "seconds a client may take to send its request body (408 beyond: a slow sender "
+                                     "cannot hold a connection)")
+    log_level: str = _setting("--log-level", "LOG_LEVEL", str, "info", "logging level")
+    # None (a Settings built in code): derive everything, write nothing. From the command line: DEFAULT_CACHE.
+    cache_dir: Path | None = _setting("--cache-dir", "GEMMA4_OPTB_CACHE", _user_path, None,
+                                      "start-up caches (the derived model structure, a fast-loading copy of the "
+                                      "tokenizer) and the demo export; the image uses /data/.cache",
+                                      shown=DEFAULT_CACHE)
+    null_step_ms: float = _setting("--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
+                                   "with --graph null: simulated device time per graph call, ms (benchmarks)")
 
     def __post_init__(self) -> None:
         _graph_kind(self.graph)
@@ -125,7 +120,7 @@ class Settings:
             flag_value = getattr(namespace, option.name, None)
             if flag_value is not None:
                 values[option.name] = flag_value
-            elif option.env and environ.get(option.env, "") != "":
+            elif environ.get(option.env, "") != "":
                 try:
                     values[option.name] = option.kind(environ[option.env])
                 except ValueError as exc:
@@ -136,8 +131,11 @@ class Settings:
             if not key:  # a secret that did not mount must not silently turn authentication off
                 raise ValueError(f"the API key file {api_key_file} is empty")
             values["api_key"] = key
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        values.setdefault("cache_dir", _user_path(DEFAULT_CACHE))
+        return cls(**values)
+
+
+OPTIONS: tuple[Option, ...] = tuple(Option(f.name, *f.metadata["option"]) for f in fields(Settings))
 
 
 def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -156,6 +154,5 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
     for option in OPTIONS:
         if names is not None and option.name not in names:
             continue
-        env = f" [env {option.env}]" if option.env else ""
         parser.add_argument(option.flag, dest=option.name, type=typed(option), default=None,
-                            help=f"{option.help} (default: {option.default}){env}")
+                            help=f"{option.help} (default: {option.shown}) [env {option.env}]")

@@ -17,131 +17,43 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
-import gc
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from server.detok import IncrementalDetokenizer, StopMatcher
 from server.embedding import HostEmbedding
-from server.errors import APIError
+from server.generation import (
+    Delta,
+    EngineNotReady,
+    Finish,
+    GenerationRequest,
+    QueueFull,
+    RequestHandle,
+    TokenLogprob,
+)
 from server.graphs.base import Graph
-from server.sampling import Sampler, SamplingParams
+from server.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    request_id: str = ""
-    timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
-    skip_special_tokens: bool = True
+@dataclass(slots=True)
+class _Shared:
+    """What the worker and the watchdog threads both touch: read and written under `Engine._cond` only."""
 
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New text safe to show (stop strings held back), and the token it came from (None for a final flush)."""
-
-    text: str
-    token_id: int | None = None
-    logprob: TokenLogprob | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    reused_tokens: int = 0
-    prefill_calls: int = 0
-    queue_wait_s: float = 0.0
-    ttft_s: float | None = None  # submission -> first token
-    total_s: float = 0.0
-    graph_calls: int = 0
-    device_s: float = 0.0  # time inside those graph calls: the rest of total_s is queueing and host work
-    error: str | None = None
-    timed_out: bool = False
-
-
-Event = Delta | Finish
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A whole generation: its text, its token ids (eos included when it stopped there), and how it ended."""
-
-    text: str
-    token_ids: list[int]
-    finish: Finish
-
-
-class QueueFull(APIError):
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            429,
-            f"The server is busy: {limit} requests are already admitted. Retry shortly.",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        )
-
-
-class RequestHandle:
-    """The caller's side of one request: an async stream of events, and `cancel()`."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request
-        self.submitted = time.monotonic()
-        self.started: float | None = None
-        self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.finished = False  # set by the worker side once a Finish was sent
-
-    def _emit(self, event: Event) -> None:
-        """Called from the worker thread."""
-        if isinstance(event, Finish):
-            self.finished = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._events.get()
-            yield event
-            if isinstance(event, Finish):
-                return
-
-    async def result(self) -> Completion:
-        """Wait for the whole generation (non-streaming callers)."""
-        text: list[str] = []
-        token_ids: list[int] = []
-        async for event in self.events():
-            if isinstance(event, Finish):
-                return Completion("".join(text), token_ids, event)
-            text.append(event.text)
-            if event.token_id is not None:
-                token_ids.append(event.token_id)
-        raise AssertionError("the event stream ended without a Finish")
+    stopping: bool = False
+    running: RequestHandle | None = None
+    step_started: float | None = None  # while a graph call runs
+    abandoned: bool = False  # the watchdog gave up on the current call
+    stall: str | None = None  # why, until that call returns
+    graph_calls: int = 0  # of the running request
+    device_s: float = 0.0
 
 
 class _Abandoned(Exception):
@@ -162,11 +74,13 @@ class Engine:
         request_timeout_s: float = 600.0,
         step_timeout_s: float = 120.0,
         prefix_reuse: bool = True,
+        on_loaded: Callable[[], None] | None = None,
     ) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._load_graph = load_graph
+        self._on_loaded = on_loaded  # process-wide policy once the graph is in (see server.process)
         self.graph: Graph | None = None
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -177,20 +91,16 @@ class Engine:
         # recovers during a drain must leave the server draining).
         self._loaded = False
         self._load_error: str | None = None
-        self._stall: str | None = None  # set while a graph call is abandoned by the watchdog
+        self._settled = threading.Event()  # loaded or failed: what wait_ready waits for
         self._draining = False
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._cond = threading.Condition()
         self._admitted = 0  # queued + running: what --max-queue bounds
-        self._running: RequestHandle | None = None
+        self._submitted: dict[RequestHandle, None] = {}  # in submission order, until the caller has the Finish
+        self._shared = _Shared()
         self._cached: list[int] = []  # token ids whose KV the graph holds, slot = index
-        self._step_started: float | None = None
-        self._abandoned = False
-        self._stopping = False
         self._threads: list[threading.Thread] = []
         self._positions: list[torch.Tensor] = []
-        self._graph_calls = 0  # of the running request
-        self._device_s = 0.0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -201,16 +111,29 @@ class Engine:
         for thread in self._threads:
             thread.start()
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the graph loaded (True: the engine serves) or failed to (False), or `timeout` passed."""
+        return self._settled.wait(timeout) and self.state == "ok"
+
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
-            self._stopping = True
-            for handle in self._queue:
-                handle.cancel()
-            if self._running is not None:
-                self._running.cancel()
+            self._shared.stopping = True
             self._cond.notify_all()
+        self.cancel_all()
         for thread in self._threads:
             thread.join(timeout)
+
+    def in_flight(self) -> list[RequestHandle]:
+        """Requests submitted whose caller has not received their Finish yet, oldest first."""
+        with self._cond:
+            for handle in [h for h in self._submitted if h.delivered]:
+                del self._submitted[handle]
+            return list(self._submitted)
+
+    def cancel_all(self) -> None:
+        """Cancel every request in flight."""
+        for handle in self.in_flight():
+            handle.cancel()
 
     def drain(self) -> None:
         """Stop admitting; in-flight and queued requests run to completion."""
@@ -225,18 +148,14 @@ class Engine:
             return "draining"
         if not self._loaded:
             return "loading"
-        return "error" if self._stall is not None else "ok"
+        return "error" if self._shared.stall is not None else "ok"
 
     @property
     def state_reason(self) -> str:
         state = self.state
         if state == "error":
-            return self._load_error or self._stall or ""
+            return self._load_error or self._shared.stall or ""
         return "shutting down" if state == "draining" else ""
-
-    @property
-    def ready(self) -> bool:
-        return self.state == "ok"
 
     @property
     def queue_depth(self) -> int:
@@ -244,7 +163,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return 1 if self._running is not None else 0
+        return 1 if self._shared.running is not None else 0
 
     @property
     def admitted(self) -> int:
@@ -259,10 +178,10 @@ class Engine:
     # ----------------------------------------------------------------- admission (event-loop side)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        state, reason = self.state, self.state_reason
+        """Raises EngineNotReady (loading, failed, draining) or QueueFull; the caller maps them to its protocol."""
+        state = self.state
         if state != "ok":
-            raise APIError(503, f"The model is not ready: {state}{': ' + reason if reason else ''}",
-                           code="model_" + state, headers={"Retry-After": "5"})
+            raise EngineNotReady(state, self.state_reason)
         assert self.graph is not None
         assert 0 < len(request.prompt_ids) < self.graph.max_total, "the HTTP layer checks the context budget"
         handle = RequestHandle(request, asyncio.get_running_loop())
@@ -271,6 +190,7 @@ class Engine:
                 raise QueueFull(self.max_queue)
             self._admitted += 1
             self._queue.append(handle)
+            self._submitted[handle] = None
             self._cond.notify()
         return handle
 
@@ -279,36 +199,36 @@ class Engine:
     def _worker(self) -> None:
         try:
             self.graph = self._load_graph()
+            if self._on_loaded is not None:
+                self._on_loaded()
         except Exception as exc:  # noqa: BLE001 - any load failure is reported on /health, never raised into the void
             log.exception("graph failed to load")
             self._load_error = f"graph failed to load: {type(exc).__name__}: {exc}"
+            self._settled.set()
             return
-        # Everything built so far (transformers' modules, the tokenizer, the graph) lives as long as the process.
-        # Freezing it out of the collector's generations stops full collections from walking those millions of
-        # objects in the middle of a stream (they were the p99 of the per-token host overhead).
-        gc.collect()
-        gc.freeze()
         # Decode positions, made once: [1, 1] each (a fresh torch.tensor per token is a call on the critical path).
         self._positions = [torch.tensor([[p]]) for p in range(self.graph.max_total)]
         self._loaded = True
+        self._settled.set()
         log.info("graph ready: %s, max_total=%d, bucket=%d", self.graph.name, self.graph.max_total,
                  self.graph.prefill_bucket)
+        shared = self._shared
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not shared.stopping:
                     self._cond.wait()
-                if self._stopping:
+                if shared.stopping:
                     # Nobody may wait forever on a request the engine will never run.
                     while self._queue:
                         queued = self._queue.popleft()
-                        queued._emit(self._finish(queued, "cancelled", len(queued.request.prompt_ids), 0))
+                        queued.publish(self._finish(queued, "cancelled", len(queued.request.prompt_ids), 0))
                         self._admitted -= 1
                     return
                 handle = self._queue.popleft()
-                self._running = handle
+                shared.running, shared.graph_calls, shared.device_s = handle, 0, 0.0
             try:
                 if handle.cancelled.is_set():
-                    handle._emit(self._finish(handle, "cancelled", 0, 0))
+                    handle.publish(self._finish(handle, "cancelled", 0, 0))
                 else:
                     self._generate(handle)
             except _Abandoned:
@@ -317,15 +237,14 @@ class Engine:
                 log.exception("request %s failed in the graph", handle.request.request_id)
                 self._reset_cache()
                 if not handle.finished:
-                    handle._emit(self._finish(handle, "error", len(handle.request.prompt_ids), 0,
-                                              error=f"{type(exc).__name__}: {exc}"))
+                    handle.publish(self._finish(handle, "error", len(handle.request.prompt_ids), 0,
+                                                error=f"{type(exc).__name__}: {exc}"))
             finally:
                 with self._cond:
-                    self._running = None
+                    shared.running = None
                     self._admitted -= 1
-                if self._abandoned:
-                    self._abandoned = False
-                    self._stall = None
+                    if shared.abandoned:
+                        shared.abandoned, shared.stall = False, None
 
     def _reset_cache(self) -> None:
         self._cached = []
@@ -340,7 +259,9 @@ class Engine:
         """One graph call. `publish` (the previous token's event) runs when the graph submits its device work (see
         graphs.base), or after the call if the graph failed before that; once either way."""
         assert self.graph is not None
-        self._step_started = started = time.monotonic()
+        shared = self._shared
+        with self._cond:
+            shared.step_started = started = time.monotonic()
         submitted: float | None = None
 
         def on_submit() -> None:
@@ -353,13 +274,15 @@ class Engine:
         try:
             logits = self.graph.forward(embeds, positions, last_only=last_only, on_submit=on_submit)
         finally:
-            self._step_started = None
             if submitted is None and publish is not None:
                 publish()
-            self._graph_calls += 1
-            # Device time from the submission on: building the call's inputs is the host's work, not the device's.
-            self._device_s += time.monotonic() - (submitted or started)
-        if self._abandoned:
+            with self._cond:
+                shared.step_started = None
+                shared.graph_calls += 1
+                # Device time from the submission on: building the call's inputs is the host's work, not the device's.
+                shared.device_s += time.monotonic() - (submitted or started)
+                abandoned = shared.abandoned
+        if abandoned:
             raise _Abandoned
         return logits
 
@@ -370,7 +293,7 @@ class Engine:
     def _expire(self, handle: RequestHandle) -> None:
         """End a request whose limit ran out before it reached the device: no work nobody can wait for."""
         log.warning("request %s hit its wall-clock limit while queued", handle.request.request_id)
-        handle._emit(self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
+        handle.publish(self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
 
     def _expire_queued(self) -> None:
         """Queued requests past their wall-clock limit end now, even while the device is stuck on another."""
@@ -384,67 +307,50 @@ class Engine:
             self._expire(handle)
 
     def _watchdog(self) -> None:
-        while not self._stopping:
+        shared = self._shared
+        while not shared.stopping:
             time.sleep(min(0.25, self.step_timeout_s / 4))
             self._expire_queued()
-            started, handle = self._step_started, self._running
-            if started is None or handle is None or self._abandoned:
-                continue
-            if time.monotonic() - started > self.step_timeout_s:
-                self._abandoned = True
+            with self._cond:
+                handle, started = shared.running, shared.step_started
+                if handle is None or started is None or shared.abandoned:
+                    continue
+                if time.monotonic() - started <= self.step_timeout_s:
+                    continue
                 message = f"graph call exceeded the {self.step_timeout_s:g} s step timeout"
-                log.error("request %s: %s; the device is marked unhealthy until it returns",
-                          handle.request.request_id, message)
-                self._stall = message
-                handle._emit(self._finish(handle, "error", len(handle.request.prompt_ids), 0, error=message))
+                shared.abandoned, shared.stall = True, message
+                finish = self._finish(handle, "error", len(handle.request.prompt_ids), 0, error=message)
+            log.error("request %s: %s; the device is marked unhealthy until it returns",
+                      handle.request.request_id, message)
+            handle.publish(finish)
 
     def _finish(self, handle: RequestHandle, reason: str, prompt: int, completion: int, **extra: object) -> Finish:
         now = time.monotonic()
         started = handle.started or now
-        ran = handle is self._running and handle.started is not None
+        shared = self._shared
+        ran = handle is shared.running and handle.started is not None
         return Finish(reason=reason, prompt_tokens=prompt, completion_tokens=completion,
                       queue_wait_s=started - handle.submitted, total_s=now - handle.submitted,
-                      graph_calls=self._graph_calls if ran else 0, device_s=self._device_s if ran else 0.0,
+                      graph_calls=shared.graph_calls if ran else 0, device_s=shared.device_s if ran else 0.0,
                       **extra)  # type: ignore[arg-type]
 
     def _generate(self, handle: RequestHandle) -> None:
+        """prefill -> decode steps -> the stop reason, then the held-back text and the Finish."""
         graph = self.graph
         assert graph is not None
         request = handle.request
-        self._graph_calls, self._device_s = 0, 0.0
         handle.started = time.monotonic()
         deadline = self._deadline(handle)
         ids = list(request.prompt_ids)
         if time.monotonic() > deadline:  # it ran out between two watchdog sweeps of the queue
             self._expire(handle)
             return
-
-        # Prefix reuse: keep what the cache already holds of this prompt, but always recompute the
-        # last prompt token: its logits are what the first sampled token comes from.
-        common = 0
-        for cached, wanted in zip(self._cached if self.prefix_reuse else (), ids[:-1], strict=False):
-            if cached != wanted:
-                break
-            common += 1
-        start = graph.rewind(common)
-        del self._cached[start:]
-        reused = start
-
-        logits: torch.Tensor | None = None
-        prefill_calls = 0
-        bucket = graph.prefill_bucket
-        for begin in range(start, len(ids), bucket):
-            if handle.cancelled.is_set():
-                handle._emit(self._finish(handle, "cancelled", len(ids), 0, reused_tokens=reused,
-                                          prefill_calls=prefill_calls))
-                return
-            chunk = ids[begin : begin + bucket]
-            embeds = self.embedding.lookup(chunk)  # [1, T, H]
-            positions = torch.arange(begin, begin + len(chunk)).unsqueeze(0)  # [1, T]
-            logits = self._call(embeds, positions, last_only=begin + bucket >= len(ids))
-            self._cached.extend(chunk)
-            prefill_calls += 1
-        assert logits is not None
+        reused = self._rewind_to_common_prefix(ids)
+        logits, prefill_calls = self._prefill(handle, ids, reused)
+        if logits is None:
+            handle.publish(self._finish(handle, "cancelled", len(ids), 0, reused_tokens=reused,
+                                        prefill_calls=prefill_calls))
+            return
 
         sampler = Sampler(request.sampling, graph.vocab_size, ids, graph.host_softcap)
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens)
@@ -452,8 +358,6 @@ class Engine:
         budget = min(request.max_new_tokens, graph.max_total - len(ids))
         generated = 0
         ttft: float | None = None
-        reason = "length"
-        timed_out = False
         while True:
             # [1, 1, V] -> [V]: calls are last_only, so this is the last position (one torch call, [0, -1] is two)
             result = sampler.sample(logits.reshape(-1))
@@ -465,32 +369,25 @@ class Engine:
             logprob = (TokenLogprob(token, result.logprob, result.top_logprobs)
                        if result.logprob is not None else None)
             if token in self.eos_token_ids:
-                handle._emit(Delta("", token, logprob))
+                handle.publish(Delta("", token, logprob))
                 reason = "stop"
                 break
             text, hit = stops.push(detok.push(token))
             delta = Delta(text, token, logprob)
-            if hit:
-                reason = "stop"
-            elif generated >= budget:
-                pass
-            elif time.monotonic() > deadline:
-                timed_out = True
-                log.warning("request %s hit its %g s wall-clock limit after %d tokens",
-                            request.request_id, deadline - handle.submitted, generated)
-            elif handle.cancelled.is_set():
-                reason = "cancelled"
-            else:
-                # The event goes out when the graph submits the next step (see graphs.base): published here, the
-                # event loop would take the GIL from this thread while it still builds that step's inputs.
-                embeds = self.embedding.lookup([token])  # [1, 1, H]
-                logits = self._call(embeds, self._positions[len(self._cached)], last_only=True,
-                                    publish=functools.partial(handle._emit, delta))
-                self._cached.append(token)
-                continue
-            handle._emit(delta)
-            break
+            reason = "stop" if hit else self._stop_reason(handle, generated, budget, deadline)
+            if reason is not None:
+                handle.publish(delta)
+                break
+            # The event goes out when the graph submits the next step (see graphs.base): published here, the
+            # event loop would take the GIL from this thread while it still builds that step's inputs.
+            embeds = self.embedding.lookup([token])  # [1, 1, H]
+            logits = self._call(embeds, self._positions[len(self._cached)], last_only=True,
+                                publish=functools.partial(handle.publish, delta))
+            self._cached.append(token)
 
+        timed_out = reason == "timeout"
+        if timed_out:
+            reason = "length"
         if reason != "stop":
             # Release what the detokenizer and the stop matcher were holding back for a continuation.
             tail, hit = stops.push(detok.flush())
@@ -499,6 +396,47 @@ class Engine:
             else:
                 tail += stops.flush()
             if tail:
-                handle._emit(Delta(tail))
-        handle._emit(self._finish(handle, reason, len(ids), generated, reused_tokens=reused,
-                                  prefill_calls=prefill_calls, ttft_s=ttft, timed_out=timed_out))
+                handle.publish(Delta(tail))
+        handle.publish(self._finish(handle, reason, len(ids), generated, reused_tokens=reused,
+                                    prefill_calls=prefill_calls, ttft_s=ttft, timed_out=timed_out))
+
+    def _rewind_to_common_prefix(self, ids: list[int]) -> int:
+        """Keep what the cache already holds of this prompt, but always recompute the last prompt token: its logits
+        are what the first sampled token comes from. Returns the position prefill starts at."""
+        assert self.graph is not None
+        common = 0
+        for cached, wanted in zip(self._cached if self.prefix_reuse else (), ids[:-1], strict=False):
+            if cached != wanted:
+                break
+            common += 1
+        start = self.graph.rewind(common)
+        del self._cached[start:]
+        return start
+
+    def _prefill(self, handle: RequestHandle, ids: list[int], start: int) -> tuple[torch.Tensor | None, int]:
+        """ids[start:] in bucket-sized chunks: (the last position's logits [1, 1, V] or None if cancelled, calls)."""
+        assert self.graph is not None
+        logits: torch.Tensor | None = None
+        calls = 0
+        bucket = self.graph.prefill_bucket
+        for begin in range(start, len(ids), bucket):
+            if handle.cancelled.is_set():
+                return None, calls
+            chunk = ids[begin : begin + bucket]
+            embeds = self.embedding.lookup(chunk)  # [1, T, H]
+            positions = torch.arange(begin, begin + len(chunk)).unsqueeze(0)  # [1, T]
+            logits = self._call(embeds, positions, last_only=begin + bucket >= len(ids))
+            self._cached.extend(chunk)
+            calls += 1
+        assert logits is not None
+        return logits, calls
+
+    def _stop_reason(self, handle: RequestHandle, generated: int, budget: int, deadline: float) -> str | None:
+        """Why decoding ends after this token ("length" | "timeout" | "cancelled"), or None to go on."""
+        if generated >= budget:
+            return "length"
+        if time.monotonic() > deadline:
+            log.warning("request %s hit its %g s wall-clock limit after %d tokens",
+                        handle.request.request_id, deadline - handle.submitted, generated)
+            return "timeout"
+        return "cancelled" if handle.cancelled.is_set() else None

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from server.artifacts import ArtifactDir, GraphSpec, validate
 from server.config import Settings
 from server.embedding import HostEmbedding
 from server.engine import Engine
+from server.generation import ModelInfo
 from server.graphs.base import DTYPES, Graph
+from server.process import freeze_heap, single_threaded_torch
 from server.structure import ModelStructure
 from server.tokenizer import HostTokenizer
 
@@ -45,23 +45,11 @@ class Host:
     def max_total(self) -> int:
         return self.spec.max_total
 
-
-def release_freed_memory() -> None:
-    """Hand the heap that start-up parsing freed back to the OS (glibc keeps it otherwise).
-
-    Parsing the 33 MB tokenizer.json leaves ~200 MB of freed-but-resident heap; on a 16 GB host that also has to
-    stage the graph once, it is worth a call. A no-op where glibc is not the allocator.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass
+    @property
+    def info(self) -> ModelInfo:
+        """What the HTTP layer is told about the model."""
+        return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
+                         generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer)
 
 
 def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None,
@@ -75,7 +63,6 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     embed_file = art.embed_file
     assert embed_file is not None  # validate() checked
     embedding = HostEmbedding.open(embed_file, structure.embed_scale, DTYPES[spec.input_dtype])
-    release_freed_memory()
     return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name())
 
 
@@ -84,12 +71,6 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
     kind, spec, structure = host.graph_kind, host.spec, host.structure
 
     def load() -> Graph:
-        if kind in ("jit", "null"):
-            # The host's per-token work is small ops over 262k logits; with 2 intra-op threads each one stalls
-            # for milliseconds whenever the other core is busy (thread-pool hand-off), single-threaded they are
-            # steady (measured: default sampling 0.13-0.17 ms vs 8 ms median under load). Process-wide, so here,
-            # once; the hf graph keeps torch's threads for its own matmuls.
-            torch.set_num_threads(1)
         if kind == "jit":
             from server.graphs.jit import JitGraph
 
@@ -115,13 +96,20 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
     return load
 
 
-def build_engine(host: Host, settings: Settings) -> Engine:
+def build_engine(host: Host, settings: Settings | None = None, *, load: Callable[[], Graph] | None = None,
+                 prefix_reuse: bool = True) -> Engine:
+    """The one way an engine is assembled (serve, the bench, the tests). `load`: a graph loader of the caller's own
+    (default: the host's graph); `prefix_reuse` off only to measure what it saves."""
+    settings = settings or Settings()
+    single_threaded_torch(host.graph_kind)
     return Engine(
         host.embedding,
         host.tokenizer,
         host.structure.eos_token_ids,
-        graph_loader(host, settings.device, settings.null_step_ms / 1000),
+        load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
         max_queue=settings.max_queue,
         request_timeout_s=settings.request_timeout_s,
         step_timeout_s=settings.step_timeout_s,
+        prefix_reuse=prefix_reuse,
+        on_loaded=freeze_heap,
     )

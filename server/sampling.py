@@ -39,44 +39,23 @@ import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-# Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
-_GREEDY_EPS = 1e-5
+from server.generation import SamplingParams
+
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256
 # First candidate count when top-k is off but top-p/min-p still truncate; grows 8x until the kept set fits.
 _FIRST_PROBE = 64
 _LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
-# Up to this top-k, steps 5-9 run on the k candidates as Python floats (`small_top_k`): a handful of torch calls
+# Up to this top-k, steps 5-9 run on the k candidates as Python floats (`_FLOATS`): a handful of torch calls
 # instead of ~25. What that buys is measured between device steps, where caches have gone cold and every torch
 # call costs ~25 us more (default sampling then: ~0.6 ms with tensors vs ~0.4 ms with Python floats here).
 _PYTHON_TOP_K = 256
-# Gemma-4's final-logit soft-cap: the naive reference's default, so its 3-argument call is the Gemma-4 baseline.
-GEMMA4_SOFTCAP = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 => greedy
-    top_k: int = 0  # 0 (or -1) => off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF/vLLM: divide positive / multiply negative logits of seen tokens
-    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0  # 0..20
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,32 +93,25 @@ def _block_topk(x: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torc
     return values, pos, top_blocks
 
 
-def topk(x: torch.Tensor, k: int, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk(x: torch.Tensor, k: int, block: int | None = None, *, as_lists: bool = False) -> tuple[Any, Any]:
     """Exact top-k of a 1-D tensor: (values best first, indices), without torch.topk over all of it.
 
     The k blocks with the largest maxima hold the k largest values: an element outside them is <= its block's
     maximum <= the k-th largest block maximum, and those k blocks already hold k elements at least that large.
     So: one streaming pass for block maxima, a top-k over V/block maxima, a top-k over k*block gathered values.
     Values equal torch.topk's exactly; among equal values the indices may differ.
+    as_lists: Python lists, the ids computed in Python (five fewer torch calls for a small k).
     """
     block = _topk_block(k) if block is None else block
     staged = _block_topk(x, k, block)
     if staged is None:
-        return torch.topk(x, k)  # small, odd-sized or huge-k cases: the direct route
+        values, ids = torch.topk(x, k)  # small, odd-sized or huge-k cases: the direct route
+        return (values.tolist(), ids.tolist()) if as_lists else (values, ids)
     values, pos, top_blocks = staged
+    if as_lists:
+        starts = top_blocks.tolist()
+        return values.tolist(), [starts[p // block] * block + p % block for p in pos.tolist()]
     return values, top_blocks[pos // block] * block + pos % block  # (k,), (k,)
-
-
-def topk_lists(x: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
-    """`topk` as Python lists, the ids computed in Python (five fewer torch calls for a small k)."""
-    block = _topk_block(k)
-    staged = _block_topk(x, k, block)
-    if staged is None:
-        values, ids = torch.topk(x, k)
-        return values.tolist(), ids.tolist()
-    values, pos, top_blocks = staged
-    starts = top_blocks.tolist()
-    return values.tolist(), [starts[p // block] * block + p % block for p in pos.tolist()]
 
 
 def argmax(x: torch.Tensor, block: int = _ARGMAX_BLOCK) -> int:
@@ -159,16 +131,10 @@ def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return x.div(softcap).tanh_().mul_(softcap)
 
 
-def _scale(x: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
-    """Steps 5-6 on candidate values: soft-cap, then temperature. A new tensor."""
-    scaled = _cap(x, softcap)
-    return scaled if inv_t == 1.0 else scaled.mul_(inv_t)
-
-
 def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float, out: torch.Tensor) -> float:
     """sum(exp(cap(x) * inv_t - shift)) over the whole row, leaving the terms in `out` (no allocation).
 
-    The same float operations as `_scale`, so a token's term here equals its term computed on candidates."""
+    The same float operations as `_tensor_scale`, so a token's term here equals its term computed on candidates."""
     if softcap is None:
         out.copy_(x)  # (V,)
     else:
@@ -178,61 +144,90 @@ def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float,
     return float(out.sub_(shift).exp_().sum())
 
 
-def takes_small_top_k(params: SamplingParams, vocab_size: int) -> bool:
-    """Whether `small_top_k` decides (a top-k that truncates, of at most _PYTHON_TOP_K)."""
-    return 0 < params.top_k <= min(_PYTHON_TOP_K, vocab_size - 1)
+class _Ops(NamedTuple):
+    """The five operations steps 5-9 need, on one kind of candidate list."""
+
+    scale: Callable[[Any, float | None, float], Any]  # soft-cap, then temperature; a new sequence
+    weights: Callable[[Any, float], Any]  # exp(scaled - peak)
+    cumsum: Callable[[Any], Any]
+    count_at_least: Callable[[Any, float], int]
+    below: Callable[..., int]  # (cum, target, n, right=False): how many of cum[:n] are < target (<= with right)
 
 
-def small_top_k(x: torch.Tensor, params: SamplingParams, softcap: float | None) -> tuple[list[int], list[float], int]:
-    """Steps 4-8 for a top-k of at most _PYTHON_TOP_K, on Python floats: (ids best first, cumulative weights, how
-    many of them survive min-p and top-p). The same order of operations as `candidates`, in float64."""
-    values, ids = topk_lists(x, params.top_k)
-    inv_t = 1.0 / params.temperature
+def _float_scale(values: list[float], softcap: float | None, inv_t: float) -> list[float]:
     if softcap is not None:
         values = [softcap * math.tanh(v / softcap) for v in values]
-    scaled = [v * inv_t for v in values]
-    peak = scaled[0]
-    weights = [math.exp(v - peak) for v in scaled]  # best first, the best one is 1.0
-    cum = list(itertools.accumulate(weights))
-    n, mass = len(weights), cum[-1]
-    if params.min_p > 0.0:
-        n = sum(1 for w in weights if w >= params.min_p)  # p >= min_p * p_max, on weights relative to the best
-        mass = cum[n - 1]  # top-p renormalises over the min-p survivors
-    if params.top_p < 1.0:
-        n = min(bisect.bisect_left(cum, params.top_p * mass, 0, n) + 1, n)  # as `_kept`
-    return ids, cum, n
+    return [v * inv_t for v in values]
+
+
+def _tensor_scale(values: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
+    scaled = _cap(values, softcap)  # a new tensor
+    return scaled if inv_t == 1.0 else scaled.mul_(inv_t)
+
+
+# Python floats: a handful of torch calls instead of ~25 for a small top-k (see _PYTHON_TOP_K).
+_FLOATS = _Ops(
+    _float_scale, lambda scaled, peak: [math.exp(v - peak) for v in scaled], lambda w: list(itertools.accumulate(w)),
+    lambda w, threshold: sum(1 for x in w if x >= threshold),
+    lambda cum, target, n, right=False: (bisect.bisect_right if right else bisect.bisect_left)(cum, target, 0, n))
+# Tensors: any number of candidates.
+_TENSORS = _Ops(
+    _tensor_scale, lambda scaled, peak: scaled.sub_(peak).exp_(), lambda w: w.cumsum(0),
+    lambda w, threshold: int((w >= threshold).sum()),
+    lambda cum, target, n, right=False: int(torch.searchsorted(cum[:n], target, right=right)))
 
 
 class Candidates(NamedTuple):
     """The tokens one sampling step draws from: the first `n` of `ids`, in proportion to `weights`."""
 
-    ids: torch.Tensor | None  # (m,) token ids best first; None: the whole vocabulary in id order
-    weights: torch.Tensor  # (m,) unnormalised probabilities exp(scaled logit - shift)
-    cum: torch.Tensor  # (m,) cumulative sums of weights
+    ids: Any  # (m,) token ids best first (a list on the Python-floats route); None: the whole vocabulary in id order
+    weights: Any  # (m,) unnormalised probabilities exp(scaled logit - shift)
+    cum: Any  # (m,) cumulative sums of weights
     n: int  # the survivors of min-p and top-p: a prefix
+    ops: _Ops = _TENSORS
 
 
-def candidates(
-    x: torch.Tensor, params: SamplingParams, softcap: float | None, scratch: torch.Tensor | None = None
-) -> Candidates:
+def _truncate(values: Any, params: SamplingParams, softcap: float | None, ops: _Ops,
+              total: float | None = None) -> tuple[Any, Any, int]:
+    """Steps 5-8, the one definition, on candidate logits best first: soft-cap, temperature, min-p, top-p.
+
+    Returns (weights relative to the best, their cumulative sums, how many survive: a prefix). `total`: the weight
+    of the whole vocabulary on the same scale, when the candidates are not all of what top-p is measured against.
+    """
+    scaled = ops.scale(values, softcap, 1.0 / params.temperature)
+    weights = ops.weights(scaled, float(scaled[0]))  # the best one is 1.0
+    cum = ops.cumsum(weights)
+    n, mass = len(weights), float(cum[-1]) if total is None else total
+    if params.min_p > 0.0:
+        n = ops.count_at_least(weights, params.min_p)  # p >= min_p * p_max
+        mass = float(cum[n - 1])  # top-p renormalises over the min-p survivors
+    if params.top_p < 1.0:
+        # Keep a token while the mass strictly before it is below top_p: always the best one, and the one that
+        # crosses the threshold (HF's TopPLogitsWarper, vLLM).
+        n = min(ops.below(cum, params.top_p * mass, n) + 1, n)
+    return weights, cum, n
+
+
+def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, scratch: torch.Tensor | None = None,
+               *, floats: bool | None = None) -> Candidates:
     """Steps 4-8 of the module docs, without the draw.
 
     x: [V] logits after bias and penalties (steps 1-2), raw (not soft-capped).
     scratch: a [V] float32 buffer for the full-vocabulary passes that only top-k off needs (else allocated).
+    floats: run a top-k's steps 5-8 on Python floats (default: when k <= _PYTHON_TOP_K).
     """
     assert not params.greedy and x.dim() == 1, "sampling path needs temperature > 0 and a [V] row"
     vocab = x.numel()
-    inv_t = 1.0 / params.temperature
     if 0 < params.top_k < vocab:
-        values, ids = topk(x, params.top_k)  # (k,) best first
-        weights = torch.softmax(_scale(values, softcap, inv_t), 0)  # (k,) renormalised over the top-k
-        cum = weights.cumsum(0)  # (k,)
-        return Candidates(ids, weights, cum, _kept(weights, cum, params, float(cum[-1])))
+        ops: _Ops = _FLOATS if (params.top_k <= _PYTHON_TOP_K if floats is None else floats) else _TENSORS
+        values, ids = topk(x, params.top_k, as_lists=ops is _FLOATS)  # (k,) best first
+        return Candidates(ids, *_truncate(values, params, softcap, ops), ops)
 
     buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
+    inv_t = 1.0 / params.temperature
     if params.min_p <= 0.0 and params.top_p >= 1.0:
         # Nothing truncates: the whole vocabulary, in id order (no sort needed to draw by inverse CDF).
-        peak = float(_scale(x.amax().view(1), softcap, inv_t))
+        peak = float(_tensor_scale(x.amax().view(1), softcap, inv_t))
         _sum_exp(x, softcap, inv_t, peak, buf)
         return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
 
@@ -242,71 +237,33 @@ def candidates(
     probe = _FIRST_PROBE
     while probe < vocab:
         values, ids = topk(x, probe)  # (probe,) best first
-        scaled = _scale(values, softcap, inv_t)  # (probe,)
         if params.min_p > 0.0:
-            # min-p is a ratio to the best token, so the probe's own softmax decides it; the probe holds every
-            # survivor once its last (smallest) weight already fails, as every token outside is <= it.
-            weights = torch.softmax(scaled, 0)  # (probe,)
-            if float(weights[-1]) < params.min_p * float(weights[0]):
-                cum = weights.cumsum(0)  # (probe,)
-                return Candidates(ids, weights, cum, _kept(weights, cum, params, float(cum[-1])))
+            # min-p is a ratio to the best token: the probe holds every survivor once its last (smallest) weight
+            # already fails, as every token outside is <= it.
+            weights, cum, n = _truncate(values, params, softcap, _TENSORS)
+            if float(weights[-1]) < params.min_p:
+                return Candidates(ids, weights, cum, n)
         else:
-            peak = float(scaled[0])
             if total is None:
-                total = _sum_exp(x, softcap, inv_t, peak, buf)
-            weights = scaled.sub_(peak).exp_()  # (probe,) on the same scale as `total`
-            cum = weights.cumsum(0)  # (probe,)
+                total = _sum_exp(x, softcap, inv_t, float(_tensor_scale(values[:1], softcap, inv_t)), buf)
+            weights, cum, n = _truncate(values, params, softcap, _TENSORS, total)
             missing = params.top_p * total - float(cum[-1])
             if missing <= 0.0:
-                return Candidates(ids, weights, cum, _kept(weights, cum, params, total))
+                return Candidates(ids, weights, cum, n)
             # Every token outside weighs <= the last one: at least missing / weights[-1] more are needed.
             if probe + missing / max(float(weights[-1]), 1e-30) > _LAST_PROBE:
                 break
         probe *= 8
-    # A flat distribution: sort everything (the naive route), still exact.
+    # A flat distribution: sort everything, still exact.
     values, ids = torch.sort(x, descending=True)  # (V,)
-    weights = torch.softmax(_scale(values, softcap, inv_t), 0)  # (V,)
-    cum = weights.cumsum(0)  # (V,)
-    return Candidates(ids, weights, cum, _kept(weights, cum, params, float(cum[-1])))
-
-
-def _kept(weights: torch.Tensor, cum: torch.Tensor, params: SamplingParams, mass: float) -> int:
-    """min-p, then top-p of `mass`, on best-first weights; both keep a prefix. Returns its length."""
-    n = weights.numel()
-    if params.min_p > 0.0:
-        n = int((weights >= params.min_p * float(weights[0])).sum())
-        mass = float(cum[n - 1])  # top-p renormalises over the min-p survivors
-    if params.top_p < 1.0:
-        # Keep a token while the mass strictly before it is below top_p: always the best one, and the one that
-        # crosses the threshold (HF's TopPLogitsWarper, vLLM). searchsorted counts the prefix sums below it.
-        n = min(int(torch.searchsorted(cum[:n], params.top_p * mass)) + 1, n)
-    return n
+    return Candidates(ids, *_truncate(values, params, softcap, _TENSORS))
 
 
 def draw(c: Candidates, rng: random.Random) -> int:
     """Step 9: one token in proportion to the weights of the first c.n candidates (inverse CDF: one uniform)."""
     target = rng.random() * float(c.cum[c.n - 1])
-    i = min(int(torch.searchsorted(c.cum[: c.n], target, right=True)), c.n - 1)
+    i = min(c.ops.below(c.cum, target, c.n, right=True), c.n - 1)
     return i if c.ids is None else int(c.ids[i])
-
-
-def draw_small(ids: list[int], cum: list[float], n: int, rng: random.Random) -> int:
-    """Step 9 on `small_top_k`'s lists."""
-    return ids[min(bisect.bisect_right(cum, rng.random() * cum[n - 1], 0, n), n - 1)]
-
-
-def candidate_distribution(
-    x: torch.Tensor, params: SamplingParams, softcap: float | None, scratch: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `Sampler.sample` draws from, for tests and debugging: (token ids, probabilities summing to 1)."""
-    if takes_small_top_k(params, x.numel()):
-        ids_list, cum_list, n = small_top_k(x, params, softcap)
-        cum_t = torch.tensor(cum_list[:n], dtype=torch.float64)  # (n,)
-        probs = torch.diff(cum_t, prepend=cum_t.new_zeros(1)) / cum_t[-1]  # (n,)
-        return torch.tensor(ids_list[:n]), probs.float()
-    c = candidates(x, params, softcap, scratch)
-    ids = torch.arange(x.numel()) if c.ids is None else c.ids[: c.n]  # (n,)
-    return ids, c.weights[: c.n] / c.cum[c.n - 1]  # (n,), (n,)
 
 
 def raw_logprobs(
@@ -332,49 +289,6 @@ def raw_logprobs(
         peak = float(_cap(top, softcap))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
         log_total = peak + math.log(_sum_exp(x, softcap, 1.0, peak, buf))
     return _cap(x.index_select(0, ids), softcap).sub_(log_total)  # (n,)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The naive reference: softcap everything, sort the whole vocabulary. For tests and the benchmark only.
-
-
-def reference_probs(
-    logits: torch.Tensor, params: SamplingParams, softcap: float | None = GEMMA4_SOFTCAP
-) -> torch.Tensor:
-    """The sampling distribution over the whole vocabulary [V], computed the straightforward (HF warper) way.
-
-    Applies logit_bias (penalties need per-request history; `Sampler` owns them) and steps 4-8 with a full sort.
-    """
-    assert not params.greedy
-    x = logits.clone()  # (V,)
-    for token, bias in params.logit_bias:
-        x[token] += bias
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)  # (V,)
-    x = x / params.temperature  # (V,)
-    values, order = torch.sort(x, descending=True)  # (V,), (V,)
-    if 0 < params.top_k < x.numel():
-        values[params.top_k :] = -math.inf
-    probs = torch.softmax(values, 0)  # (V,) best first
-    if params.min_p > 0.0:
-        probs[probs < params.min_p * probs[0]] = 0.0
-        probs /= probs.sum()
-    if params.top_p < 1.0:
-        probs[probs.cumsum(0) - probs >= params.top_p] = 0.0
-        probs /= probs.sum()
-    return torch.zeros_like(probs).scatter_(0, order, probs)  # (V,) back in vocabulary order
-
-
-def full_sort_top_p(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, softcap: float | None = GEMMA4_SOFTCAP
-) -> int:
-    """One token the naive way (full soft-cap, full sort, multinomial over V): the benchmark's baseline."""
-    if params.greedy:
-        x = logits.clone()  # (V,)
-        for token, bias in params.logit_bias:
-            x[token] += bias
-        return int(x.argmax())
-    return int(torch.multinomial(reference_probs(logits, params, softcap), 1, generator=generator))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -432,7 +346,6 @@ class Sampler:
         # One uniform per token is all a draw needs; Python's generator gives it without a torch call. Unseeded
         # requests get fresh state from the OS.
         self.rng = random.Random(params.seed)
-        self._small_top_k = takes_small_top_k(params, vocab_size)
         self._bias_ids: torch.Tensor | None = None
         self._bias_values: torch.Tensor | None = None
         if params.logit_bias:
@@ -484,9 +397,6 @@ class Sampler:
         best: torch.Tensor | list[int] | None = None  # candidate ids best first, when known: reusable for top_logprobs
         if params.greedy:
             token = argmax(x)  # soft-cap and temperature are monotonic: argmax of the adjusted raw logits
-        elif self._small_top_k:
-            best, cum, n = small_top_k(x, params, self.softcap)
-            token = draw_small(best, cum, n, self.rng)
         else:
             c = candidates(x, params, self.softcap, self._scratch)
             token = draw(c, self.rng)

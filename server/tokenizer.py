@@ -1,11 +1,11 @@
 """The host tokenizer without transformers: `tokenizer.json` through the `tokenizers` library, plus the parts of
-transformers' fast tokenizer the server uses (special tokens, decode clean-up, chat templates).
+transformers' fast tokenizer the server uses (special tokens, decode clean-up; chat templates via server.chat_template).
 
 Why: importing transformers and building `PreTrainedTokenizerFast` cost ~2 s of start-up for a wrapper whose
 encode and decode are the Rust tokenizer's own. What transformers (5.x) adds on top, and which changes ids, text or
 rendered prompts, is mirrored here: how the config files name special tokens (and adds the missing ones to the
-backend), `clean_up_tokenization_spaces` (skipped for BPE, as transformers does), and the chat-template sandbox
-with its globals, filters and message normalisation. tests/test_tokenizer.py checks all of it against transformers.
+backend), `clean_up_tokenization_spaces` (skipped for BPE, as transformers does), and which chat template a call
+renders (named templates, `tools`). tests/test_tokenizer.py checks all of it against transformers.
 
 Optional load-time cache: the Rust loader parses BPE merges written as `["a", "b"]` pairs markedly slower than the
 legacy `"a b"` strings (Gemma's 515k merges: ~1.35 s vs ~0.9 s for the whole file here), so
@@ -15,36 +15,25 @@ legacy `"a b"` strings (Gemma's 515k merges: ~1.35 s vs ~0.9 s for the whole fil
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
 import re
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields, is_dataclass
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.sandbox
-import jinja2.utils
 from tokenizers import AddedToken, Tokenizer, processors
 
 from server.cache import AtomicFile
+from server.chat_template import render
 
 log = logging.getLogger(__name__)
 
 # transformers' named special tokens, in its order (the order matters only for ids of tokens it has to add).
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
-# Message keys transformers fills from each other, so templates reading either name see the reasoning.
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # apply_chat_template arguments transformers consumes itself: they never reach the template.
 _TOKENIZING_ONLY = ("padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs")
 _UNSUPPORTED = ("tokenize", "continue_final_message", "return_assistant_tokens_mask", "sanitize_control_tokens")
@@ -159,7 +148,6 @@ class HostTokenizer:
 
         if isinstance(messages, (list, tuple)) and not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        chat = [_chat_message(message) for message in getattr(messages, "messages", messages)]
         if tools is not None:
             if not all(isinstance(tool, dict) for tool in tools):
                 raise ValueError("HostTokenizer takes tools as JSON schemas (dicts), not Python functions")
@@ -167,9 +155,9 @@ class HostTokenizer:
         if documents is not None and not all(isinstance(document, dict) for document in documents):
             raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
 
-        variables = _plain({**self._template_tokens, **kwargs})  # caller's variables win over the special tokens
-        return _compile(source).render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                       add_generation_prompt=add_generation_prompt, **variables)
+        # The caller's variables win over the special tokens.
+        return render(source, getattr(messages, "messages", messages), tools=tools, documents=documents,
+                      add_generation_prompt=add_generation_prompt, variables={**self._template_tokens, **kwargs})
 
     def _template_source(self, chat_template: str | None, tools: object) -> str:
         if chat_template is not None:
@@ -387,122 +375,3 @@ def _remove_stale_partials(cache_dir: Path) -> None:
         with contextlib.suppress(OSError):
             if now - partial.stat().st_mtime > _STALE_PARTIAL_S:
                 partial.unlink()
-
-
-# --------------------------------------------------------------------- chat templates (transformers' sandbox)
-
-
-def _chat_message(message: object) -> dict[str, Any]:
-    """A message as transformers hands it to the template: plain data, None-valued keys dropped, reasoning aliased."""
-    plain = _plain(message)
-    if not isinstance(plain, dict):
-        raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
-    # Templates handle a missing key but often print "None" for content=None (as OpenAI clients send it).
-    plain = {key: value for key, value in plain.items() if value is not None}
-    reasoning = next((plain[key] for key in _REASONING_KEYS if key in plain), None)
-    if reasoning is not None:
-        plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
-    return plain
-
-
-def _plain(value: Any) -> Any:
-    """Everything the template sees rebuilt from plain JSON-like types, as transformers does: objects' methods are
-    a way out of the sandbox, so anything else becomes an inert "<TypeName>" placeholder."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(item) for item in value)
-    numpy = sys.modules.get("numpy")  # numpy scalars exist only if numpy is loaded; never import it for this
-    if numpy is not None and isinstance(value, numpy.generic):
-        return _plain(value.item())
-    if is_dataclass(value) and not isinstance(value, type):
-        return {field.name: _plain(getattr(value, field.name)) for field in fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: transformers tracks where assistant text is for its token masks;
-    for rendering, the block is just its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """`dict` in templates: calls and fromkeys only, not the type itself, whose attributes lead out of the sandbox."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace()` refusing underscore names, as transformers' does (they reach CPython internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # no named self: `namespace(self=...)` must still work
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        super().__setitem__(name, value)
-
-
-def _check_namespace_name(name: object) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"Chat templates cannot store underscore-prefixed attributes on a "
-                                              f"namespace, but got {name!r}. Please rename the attribute.")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes (<, >, &, ') and takes only indent; templates expect transformers' version,
-    # positional arguments included (so `tojson(true)` means ensure_ascii).
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-@functools.cache
-def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
-                       namespace=_TemplateNamespace)
-    return env
-
-
-@functools.lru_cache(maxsize=32)  # bounded: callers may pass their own template sources
-def _compile(source: str) -> jinja2.Template:
-    return _environment().from_string(source)

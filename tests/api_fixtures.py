@@ -32,7 +32,7 @@ from server.api.app import create_app
 from server.config import Settings
 from server.engine import Engine
 from server.graphs.base import Graph
-from server.runtime import Host, graph_loader, load_host
+from server.runtime import Host, build_engine, graph_loader, load_host
 from tests.models import demo_dir
 
 T = TypeVar("T")
@@ -85,13 +85,6 @@ class SlowGraph:
         return self.inner.rewind(position)
 
 
-def make_engine(host: Host, config: Settings, load: Callable[[], Graph] | None = None) -> Engine:
-    """Like runtime.build_engine, with an optional graph loader of the test's own."""
-    return Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, load or graph_loader(host),
-                  max_queue=config.max_queue, request_timeout_s=config.request_timeout_s,
-                  step_timeout_s=config.step_timeout_s)
-
-
 def slow_loader(host: Host, delay_s: float, fail_after: int | None = None) -> tuple[Callable[[], Graph], list[SlowGraph]]:
     """A loader of a SlowGraph around the host's own graph; the list receives the graph once loaded."""
     made: list[SlowGraph] = []
@@ -109,7 +102,7 @@ class LiveServer:
         self.settings = config
         self.engine = engine
         self.host = host
-        self.app = create_app(config, engine, host)
+        self.app = create_app(config, engine, host.info)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
@@ -130,6 +123,10 @@ class LiveServer:
         return self
 
     def wait_state(self, state: str, timeout: float = 120.0) -> None:
+        if state in ("ok", "error"):  # where loading ends
+            self.engine.wait_ready(timeout)
+            assert self.engine.state == state, f"engine in {self.engine.state}: {self.engine.state_reason}"
+            return
         deadline = time.monotonic() + timeout
         while self.engine.state != state:
             assert time.monotonic() < deadline, f"engine stuck in {self.engine.state}: {self.engine.state_reason}"
@@ -150,7 +147,7 @@ class LiveServer:
 def live_server(config: Settings, engine: Engine | None = None, host: Host | None = None,
                 wait_ready: bool = True) -> Iterator[LiveServer]:
     host = host or null_host()
-    server = LiveServer(config, engine or make_engine(host, config), host).start(wait_ready)
+    server = LiveServer(config, engine or build_engine(host, config), host).start(wait_ready)
     try:
         yield server
     finally:

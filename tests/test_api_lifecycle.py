@@ -18,10 +18,10 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from server.api.serve import serve
 from server.graphs.base import Graph
-from server.runtime import graph_loader
-from tests.api_fixtures import LiveServer, make_engine, null_host, settings, slow_loader, spawn_serve
+from server.runtime import build_engine, graph_loader
+from server.serve import serve
+from tests.api_fixtures import LiveServer, null_host, settings, slow_loader, spawn_serve
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
@@ -35,7 +35,7 @@ def test_health_says_loading_until_the_graph_is_ready() -> None:
         return graph_loader(host)()
 
     config = settings()
-    live = LiveServer(config, make_engine(host, config, load), host).start(wait_ready=False)
+    live = LiveServer(config, build_engine(host, config, load=load), host).start(wait_ready=False)
     try:
         r = httpx.get(f"{live.url}/health")
         assert r.status_code == 503 and r.json()["status"] == "loading" and "reason" in r.json()
@@ -64,7 +64,7 @@ def test_health_reports_a_graph_that_failed_to_load() -> None:
         raise RuntimeError("no NeuronCore found")
 
     config = settings()
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start(wait_ready=False)
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start(wait_ready=False)
     try:
         live.wait_state("error")
         r = httpx.get(f"{live.url}/health")
@@ -83,7 +83,7 @@ def _data(lines: list[str]) -> list[str]:
 def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones() -> None:
     config = settings()
     load, _ = slow_loader(null_host(), 0.05)
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
     try:
         body = {"prompt": "Hi", "max_tokens": 20, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as stream:
@@ -110,7 +110,7 @@ def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones() -> None:
 def test_drain_grace_expiry_cancels_stragglers_in_band() -> None:
     config = settings()
     load, _ = slow_loader(null_host(), 0.05)
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
     try:
         body = {"prompt": "Hi", "max_tokens": 500, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as stream:

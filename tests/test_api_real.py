@@ -13,9 +13,9 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from server.engine import Completion, GenerationRequest
-from server.sampling import SamplingParams
-from tests.api_fixtures import LiveServer, hf_host, live_server, make_engine, settings
+from server.generation import Completion, GenerationRequest, SamplingParams
+from server.runtime import build_engine
+from tests.api_fixtures import LiveServer, hf_host, live_server, settings
 
 MODEL = "gemma-test"
 QUESTION = "Question: What is the capital of France?\nAnswer:"
@@ -25,7 +25,7 @@ QUESTION = "Question: What is the capital of France?\nAnswer:"
 def real() -> Iterator[LiveServer]:
     host = hf_host()
     config = settings(graph="hf")
-    with live_server(config, make_engine(host, config), host) as live:
+    with live_server(config, build_engine(host, config), host) as live:
         yield live
 
 
@@ -49,7 +49,8 @@ def test_chat_through_the_api_equals_the_engine_directly(real: LiveServer, clien
     ids = tuple(tokenizer.encode(text, add_special_tokens=False))
 
     async def direct() -> Completion:
-        return await real.engine.submit(GenerationRequest(ids, 6, SamplingParams(temperature=0.0))).result()
+        return await real.engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=6,
+                                                                     sampling=SamplingParams(temperature=0.0))).result()
 
     completion = asyncio.run(direct())
     engine_text, finish = completion.text, completion.finish

@@ -17,7 +17,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.api_fixtures import LiveServer, SlowGraph, live_server, make_engine, null_host, settings, slow_loader
+from server.runtime import build_engine
+from tests.api_fixtures import LiveServer, SlowGraph, live_server, null_host, settings, slow_loader
 
 STEP_S = 0.05
 
@@ -26,7 +27,7 @@ def slow_server(delay_s: float = STEP_S, fail_after: int | None = None, **overri
         LiveServer, SlowGraph]:
     config = settings(**overrides)
     load, made = slow_loader(null_host(), delay_s, fail_after)
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
     return live, made[0]
 
 
@@ -98,7 +99,7 @@ def _calls_between(graph: SlowGraph, start: float, end: float) -> int:
 def test_client_disconnect_frees_the_device_within_one_step(slow: tuple[LiveServer, SlowGraph],
                                                             stream: bool) -> None:
     live, graph = slow
-    engine, service = live.engine, live.app.state.service
+    engine = live.engine
 
     async def scenario() -> dict[str, float]:
         async with httpx.AsyncClient(base_url=live.url, timeout=30) as a_client, \
@@ -136,7 +137,7 @@ def test_client_disconnect_frees_the_device_within_one_step(slow: tuple[LiveServ
             b_task = asyncio.create_task(run_b())
             while engine.queue_depth < 1:
                 await asyncio.sleep(0.002)
-            b_handle = next(h for h in service.inflight if h.started is None)
+            b_handle = next(h for h in engine.in_flight() if h.started is None)
             disconnect = time.monotonic()
             await go_away()  # A's client goes away mid-generation
             b_first_token = await b_task
@@ -158,14 +159,14 @@ def test_client_disconnect_frees_the_device_within_one_step(slow: tuple[LiveServ
     # Every request's Finish is received, the abandoned ones' too: B's client left after its first token, so B ends
     # within one more step (cancelled or done), which may still be running when the scenario returns.
     deadline = time.monotonic() + 5
-    while service.inflight and time.monotonic() < deadline:
+    while engine.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not service.inflight
+    assert not engine.in_flight()
 
 
 def test_a_queued_request_whose_client_leaves_never_runs(slow: tuple[LiveServer, SlowGraph]) -> None:
     live, graph = slow
-    engine, service = live.engine, live.app.state.service
+    engine = live.engine
     a_body = {"prompt": "A", "max_tokens": 20, "temperature": 0, "stream": True}
     b_body = {"prompt": "B", "max_tokens": 20, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=a_body, timeout=30) as a:
@@ -178,9 +179,9 @@ def test_a_queued_request_whose_client_leaves_never_runs(slow: tuple[LiveServer,
         assert a_data[-1] == "data: [DONE]"
         calls_after_a = graph.calls
     deadline = time.monotonic() + 5
-    while (engine.admitted or service.inflight) and time.monotonic() < deadline:
+    while (engine.admitted or engine.in_flight()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.admitted == 0 and not service.inflight
+    assert engine.admitted == 0 and not engine.in_flight()
     assert graph.calls == calls_after_a  # B never reached the device
 
 

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine import Completion, Engine, Finish, GenerationRequest
+from server.config import Settings
+from server.engine import Engine
 from server.export import export
+from server.generation import Completion, Finish, GenerationRequest, SamplingParams
 from server.graphs.base import Graph
-from server.runtime import Host, graph_loader, load_host
-from server.sampling import SamplingParams
+from server.runtime import Host, build_engine, load_host
 from tests.models import demo_dir, tiny_gemma4_checkpoint
 
 BUCKET, MAX = 16, 128
@@ -43,14 +44,9 @@ def reference_model(tiny: tuple[Path, Path]) -> torch.nn.Module:
 
 
 def start_engine(host: Host, graph: Graph | None = None) -> Engine:
-    load = (lambda: graph) if graph is not None else graph_loader(host)
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, load, max_queue=4)
+    engine = build_engine(host, Settings(max_queue=4), load=(lambda: graph) if graph is not None else None)
     engine.start()
-    for _ in range(600):
-        if engine.state != "loading":
-            break
-        asyncio.run(asyncio.sleep(0.05))
-    assert engine.state == "ok", engine.state_reason
+    assert engine.wait_ready(30), engine.state_reason
     return engine
 
 
@@ -58,7 +54,7 @@ def run(engine: Engine, prompt: list[int], max_new_tokens: int, **fields: object
     """Submit one request; return (generated ids, text, finish)."""
 
     async def go() -> Completion:
-        request = GenerationRequest(tuple(prompt), max_new_tokens, **fields)  # type: ignore[arg-type]
+        request = GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens, **fields)  # type: ignore[arg-type]
         return await engine.submit(request).result()
 
     completion = asyncio.run(go())

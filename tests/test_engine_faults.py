@@ -8,13 +8,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
-from server.engine import Engine, Finish, GenerationRequest
+from server.api.service import engine_error
+from server.engine import Engine
+from server.generation import Finish, GenerationRequest, SamplingParams
+from server.graphs.base import Graph
 from server.graphs.null import NullGraph
-from server.sampling import SamplingParams
-from tests.api_fixtures import SlowGraph, null_host
+from server.runtime import build_engine
+from tests.api_fixtures import SlowGraph, null_host, settings
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -25,18 +29,26 @@ def null_graph() -> NullGraph:
                      favoured_token=host.tokenizer.get_vocab().get("▁a"))
 
 
-def started(load: object, **kwargs: object) -> Engine:
-    host = null_host()
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, load, **kwargs)  # type: ignore[arg-type]
+def greedy(prompt: tuple[int, ...], n: int, **fields: object) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=prompt, max_new_tokens=n, sampling=GREEDY, **fields)  # type: ignore[arg-type]
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait on the engine's state (checked every few ms), never on a guess of how long it takes."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+def started(load: Callable[[], Graph], **overrides: object) -> Engine:
+    engine = build_engine(null_host(), settings(**overrides), load=load)
     engine.start()
-    deadline = time.monotonic() + 30
-    while engine.state == "loading" and time.monotonic() < deadline:
-        time.sleep(0.01)
+    engine.wait_ready(30)
     return engine
 
 
 async def collect(engine: Engine, n: int = 8) -> tuple[str, Finish]:
-    completion = await engine.submit(GenerationRequest((2, 100, 200), n, GREEDY)).result()
+    completion = await engine.submit(greedy((2, 100, 200), n)).result()
     return completion.text, completion.finish
 
 
@@ -74,7 +86,7 @@ def test_a_token_fault_never_loses_the_token_before_it() -> None:
     graph = SlowGraph(null_graph(), 0.0, fail_after=4)  # prefill + 3 decode steps, then a device fault
 
     async def run() -> tuple[list[int], Finish]:
-        completion = await engine.submit(GenerationRequest((2, 100, 200), 8, GREEDY)).result()
+        completion = await engine.submit(greedy((2, 100, 200), 8)).result()
         return completion.token_ids, completion.finish
 
     engine = started(lambda: graph)
@@ -101,7 +113,7 @@ def test_each_token_goes_out_once_the_next_step_is_submitted() -> None:
     graph.forward = slow_prep  # type: ignore[method-assign]
 
     async def arrivals() -> list[float]:
-        handle = engine.submit(GenerationRequest((2, 100, 200), 5, GREEDY))
+        handle = engine.submit(greedy((2, 100, 200), 5))
         return [time.monotonic() async for event in handle.events() if not isinstance(event, Finish)]
 
     engine = started(lambda: graph)
@@ -157,7 +169,7 @@ def test_a_graph_that_fails_to_load_reports_why() -> None:
         assert "graph failed to load" in engine.state_reason and "truncated" in engine.state_reason
         with pytest.raises(Exception, match="not ready: error") as info:
             asyncio.run(collect(engine))
-        assert getattr(info.value, "status", None) == 503
+        assert engine_error(info.value).status == 503
     finally:
         engine.stop()
 
@@ -166,8 +178,8 @@ def test_stop_finishes_queued_requests_instead_of_leaving_them_waiting() -> None
     engine = started(lambda: SlowGraph(null_graph(), 0.05))
 
     async def scenario() -> list[Finish]:
-        handles = [engine.submit(GenerationRequest((2, 100), 50, GREEDY)) for _ in range(3)]
-        await asyncio.sleep(0.2)  # the first is running, two are queued
+        handles = [engine.submit(greedy((2, 100), 50)) for _ in range(3)]
+        await until(lambda: (engine.running, engine.queue_depth) == (1, 2))  # the first is running, two are queued
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
         finishes = []
         for handle in handles:
@@ -187,9 +199,9 @@ def test_queued_requests_expire_while_the_device_is_stuck() -> None:
     engine = started(lambda: graph, step_timeout_s=60.0)
 
     async def scenario() -> Finish:
-        engine.submit(GenerationRequest((2, 100), 4, GREEDY))  # runs, and hangs in the device
-        await asyncio.sleep(0.1)
-        queued = engine.submit(GenerationRequest((2, 100), 4, GREEDY, timeout_s=0.5))
+        engine.submit(greedy((2, 100), 4))  # runs, and hangs in the device
+        await until(lambda: engine.running == 1)
+        queued = engine.submit(greedy((2, 100), 4, timeout_s=0.5))
         async for event in queued.events():
             if isinstance(event, Finish):
                 return event
@@ -212,7 +224,7 @@ def test_a_stall_that_recovers_during_a_drain_leaves_the_server_draining() -> No
     engine = started(lambda: graph, step_timeout_s=0.3)
 
     async def scenario() -> None:
-        handle = engine.submit(GenerationRequest((2, 100), 4, GREEDY))
+        handle = engine.submit(greedy((2, 100), 4))
         async for event in handle.events():
             if isinstance(event, Finish):
                 assert event.reason == "error"
@@ -220,9 +232,7 @@ def test_a_stall_that_recovers_during_a_drain_leaves_the_server_draining() -> No
         engine.drain()
         assert engine.state == "draining"
         release.set()
-        deadline = time.monotonic() + 5
-        while engine.admitted and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        assert await engine.wait_idle(5)
 
     try:
         asyncio.run(asyncio.wait_for(scenario(), 20))

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from server.engine import Completion, Engine, Finish, GenerationRequest
-from server.runtime import Host, graph_loader, load_host
-from server.sampling import SamplingParams
+from server.engine import Engine
+from server.generation import Completion, Finish, GenerationRequest, SamplingParams
+from server.runtime import Host, build_engine, load_host
 from tests.models import tokenizer_dir
 from tests.test_recipe import BUCKET, MAX, H
 
@@ -43,18 +43,17 @@ def served(tmp_path_factory: pytest.TempPathFactory, reference: torch.nn.Module)
     assert done.returncode == 0, done.stderr
     host = load_host(out, "jit")
     assert host.graph_kind == "jit"
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, graph_loader(host))
+    engine = build_engine(host)
     engine.start()
-    while engine.state == "loading":
-        asyncio.run(asyncio.sleep(0.05))
-    assert engine.state == "ok", engine.state_reason
+    assert engine.wait_ready(600), engine.state_reason
     yield host, engine
     engine.stop()
 
 
 def run(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], Finish]:
     async def go() -> Completion:
-        return await engine.submit(GenerationRequest(tuple(prompt), n, SamplingParams(temperature=0.0))).result()
+        return await engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=n,
+                                                           sampling=SamplingParams(temperature=0.0))).result()
 
     completion = asyncio.run(go())
     return completion.token_ids, completion.finish

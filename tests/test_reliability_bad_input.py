@@ -259,7 +259,7 @@ def test_after_the_matrix_the_server_is_healthy_and_idle(server: LiveServer) -> 
     r = server.client.get("/health")  # type: ignore[attr-defined]
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     assert server.engine.admitted == 0 and server.engine.queue_depth == 0 and server.engine.running == 0
-    assert not server.app.state.service.inflight
+    assert not server.engine.in_flight()
     counted = errors(server)
     assert "500" not in counted, counted
     # every row that ran above is in the counters (SEEN: what this session's rows produced)

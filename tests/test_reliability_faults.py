@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from server.graphs.base import Graph
-from server.runtime import graph_loader
-from tests.api_fixtures import LiveServer, SlowGraph, make_engine, null_host, settings, slow_loader, spawn_serve
+from server.runtime import build_engine, graph_loader
+from tests.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
 
 HI = [{"role": "user", "content": "Hi"}]
 STEP_TIMEOUT_S = 0.8
@@ -59,7 +59,7 @@ def ok_chat(live: LiveServer) -> None:
 def idle(live: LiveServer, timeout: float = 5.0) -> bool:
     """The engine admits nothing and the app waits for nothing (the worker's books close just after a Finish)."""
     deadline = time.monotonic() + timeout
-    while live.engine.admitted or live.app.state.service.inflight:
+    while live.engine.admitted or live.engine.in_flight():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -73,7 +73,7 @@ def idle(live: LiveServer, timeout: float = 5.0) -> bool:
 def faulty() -> Iterator[tuple[LiveServer, SlowGraph]]:
     config = settings()
     load, made = slow_loader(null_host(), 0.002)
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
     try:
         yield live, made[0]
     finally:
@@ -119,7 +119,7 @@ def test_a_graph_that_fails_to_load_answers_503_everywhere_at_once_and_keeps_say
         raise OSError("NEURON_RT: no NeuronCores available")
 
     config = settings()
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start(wait_ready=False)
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start(wait_ready=False)
     try:
         live.wait_state("error")
         with httpx.Client(base_url=live.url, timeout=5) as client:  # a hang would time out
@@ -175,7 +175,7 @@ def stalling() -> Iterator[tuple[LiveServer, StallingGraph]]:
         made.append(StallingGraph(graph_loader(null_host())()))
         return made[0]
 
-    live = LiveServer(config, make_engine(null_host(), config, load), null_host()).start()
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
     try:
         yield live, made[0]
     finally:
@@ -292,12 +292,12 @@ def test_sigterm_with_a_stream_longer_than_the_grace_cancels_it_in_band_and_exit
 def test_a_bug_is_a_json_500_with_the_request_id(faulty: tuple[LiveServer, SlowGraph],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     live, _ = faulty
-    service = live.app.state.service
+    prompts = live.app.state.prompts
 
-    def broken(ids: object) -> str:
+    async def broken(ids: object) -> str:
         raise RuntimeError("a bug in the handler")
 
-    monkeypatch.setattr(service, "_decode", broken)
+    monkeypatch.setattr(prompts, "decode", broken)
     r = httpx.post(f"{live.url}/detokenize", json={"tokens": [2, 651]}, headers={"X-Request-Id": "bug-1"}, timeout=30)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
     assert r.headers.get_list("x-request-id") == ["bug-1"] and "Traceback" not in r.text

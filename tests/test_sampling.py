@@ -9,17 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from server.sampling import (
-    Sampler,
-    SamplingParams,
-    argmax,
-    candidate_distribution,
-    candidates,
-    full_sort_top_p,
-    reference_probs,
-    small_top_k,
-    topk,
-)
+from server.bench import full_sort_top_p
+from server.generation import SamplingParams
+from server.sampling import Sampler, argmax, candidates, topk
+from tests.sampling_reference import candidate_distribution, reference_probs
 
 V = 262_144  # Gemma's vocabulary: the fast paths only engage at realistic sizes
 CAP = 30.0  # Gemma-4's final-logit soft-cap
@@ -183,8 +176,10 @@ def test_distribution_matches_full_sort_reference(
                                     SamplingParams(temperature=0.5, top_k=3), SamplingParams(top_k=256, min_p=0.2)])
 def test_small_top_k_on_python_floats_equals_the_tensor_route(params: SamplingParams, softcap: float | None) -> None:
     logits = gemma_like_logits(21, V, 4.0)
-    ids, cum, n = small_top_k(logits, params, softcap)
-    c = candidates(logits, params, softcap)
+    small = candidates(logits, params, softcap)  # k <= 256: the Python-floats route
+    ids, cum, n = small.ids, small.cum, small.n
+    assert isinstance(ids, list)
+    c = candidates(logits, params, softcap, floats=False)
     assert c.ids is not None and ids[:n] == c.ids[: c.n].tolist()
     got = torch.tensor(cum[:n], dtype=torch.float64) / cum[n - 1]
     torch.testing.assert_close(got, (c.cum[: c.n] / c.cum[c.n - 1]).double(), atol=1e-6, rtol=1e-5)

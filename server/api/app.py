@@ -1,4 +1,4 @@
-"""`create_app(settings, engine, host) -> Starlette`: routes, auth, request ids, metrics, one error handler.
+"""`create_app(settings, engine, model) -> Starlette`: routes, auth, request ids, metrics, one error handler.
 
 The lifespan starts the engine (which loads the graph on its own thread: `/health` answers `loading`
 meanwhile) and stops it on shutdown. `app.state.drain(grace_s)` is the graceful-shutdown entry point that
@@ -32,11 +32,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.metrics import Metrics, MetricsMiddleware
 from server.api.openai import OpenAIRoutes
+from server.api.prompts import Prompts
 from server.api.service import Service
 from server.config import Settings
-from server.engine import Engine
 from server.errors import APIError
-from server.runtime import Host
+from server.generation import EngineAPI, ModelInfo
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -116,10 +116,10 @@ def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
     return guarded
 
 
-def create_app(settings: Settings, engine: Engine, host: Host) -> Starlette:
+def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starlette:
     metrics = Metrics(engine)
-    service = Service(settings, engine, host, metrics)
-    api = OpenAIRoutes(service)
+    service, prompts = Service(settings, engine, metrics), Prompts(model)
+    api = OpenAIRoutes(service, prompts)
 
     async def health(request: Request) -> Response:
         state = engine.state
@@ -160,5 +160,5 @@ def create_app(settings: Settings, engine: Engine, host: Host) -> Starlette:
         lifespan=lifespan,
     )
     app.state.drain = service.drain
-    app.state.service = service
+    app.state.service, app.state.prompts = service, prompts
     return app

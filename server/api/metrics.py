@@ -12,7 +12,7 @@ from collections.abc import Container
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine import Engine, Finish
+from server.generation import EngineAPI, Finish
 
 PREFIX = "gemma4"
 
@@ -21,7 +21,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineAPI) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by route and status", ["route", "status"],

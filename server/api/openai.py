@@ -26,6 +26,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from server.api.prompts import Prompts
 from server.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,9 +39,8 @@ from server.api.schemas import (
 )
 from server.api.service import ClientGone, Service, finish_error
 from server.api.sse import DONE, GenerationStream, frame
-from server.engine import Delta, Finish, GenerationRequest, RequestHandle, TokenLogprob
 from server.errors import APIError
-from server.sampling import SamplingParams
+from server.generation import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams, TokenLogprob
 
 log = logging.getLogger("server.api")
 
@@ -93,8 +93,8 @@ class _Format:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, service: Service, response_id: str, model: str, logprobs: bool, echo: str = "") -> None:
-        self.service = service
+    def __init__(self, prompts: Prompts, response_id: str, model: str, logprobs: bool, echo: str = "") -> None:
+        self.prompts = prompts
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -107,17 +107,8 @@ class _Format:
     def usage_chunk(self, finish: Finish) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object_name, []), "usage": _usage(finish)}
 
-    def opening(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        raise NotImplementedError
-
-    def final_chunk(self, reason: str) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def body(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
-        raise NotImplementedError
+    # Each format adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
+    # final_chunk(reason); body(text, deltas, finish) -> the non-stream response.
 
 
 class ChatFormat(_Format):
@@ -125,7 +116,7 @@ class ChatFormat(_Format):
     chunk_object_name = "chat.completion.chunk"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text, raw = self.service.token_info(token_id)
+        text, raw = self.prompts.token_info(token_id)
         return {"token": text, "logprob": _lp(logprob), "bytes": raw}
 
     def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
@@ -164,8 +155,8 @@ class CompletionFormat(_Format):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, service: Service, response_id: str, model: str, logprobs: bool, echo: str = "") -> None:
-        super().__init__(service, response_id, model, logprobs, echo)
+    def __init__(self, prompts: Prompts, response_id: str, model: str, logprobs: bool, echo: str = "") -> None:
+        super().__init__(prompts, response_id, model, logprobs, echo)
         self.offset = len(echo)  # text_offset of the next token
 
     def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
@@ -180,10 +171,10 @@ class CompletionFormat(_Format):
             lp: TokenLogprob | None = d.logprob
             if lp is None:
                 continue
-            text = self.service.token_info(lp.token_id)[0]
+            text = self.prompts.token_info(lp.token_id)[0]
             tokens.append(text)
             token_logprobs.append(_lp(lp.logprob))
-            top = {self.service.token_info(t)[0]: _lp(v) for t, v in lp.top}
+            top = {self.prompts.token_info(t)[0]: _lp(v) for t, v in lp.top}
             top.setdefault(text, _lp(lp.logprob))
             tops.append(top)
             offsets.append(self.offset)
@@ -211,13 +202,16 @@ class CompletionFormat(_Format):
         return {**self._envelope(self.object_name, [choice]), "usage": _usage(finish)}
 
 
+Format = ChatFormat | CompletionFormat
+
 # ----------------------------------------------------------------------------------------------------------
 # Routes
 
 
 class OpenAIRoutes:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, prompts: Prompts) -> None:
         self.service = service
+        self.prompts = prompts
         self.settings = service.settings
 
     async def _body(self, request: Request) -> bytes:
@@ -225,13 +219,13 @@ class OpenAIRoutes:
 
     def _sampling(self, body: SamplingFields, top_logprobs: int | None) -> SamplingParams:
         """`top_logprobs` None = no logprobs. Unset fields: the model's defaults, then OpenAI's."""
-        defaults = self.service.host.structure.generation_defaults
+        defaults = self.prompts.model.generation_defaults
 
         def pick(value: float | None, name: str, fallback: float) -> float:
             return float(value if value is not None else defaults.get(name, fallback))
 
         bias = tuple((int(key), float(value)) for key, value in (body.logit_bias or {}).items())
-        self.service.check_token_ids([token for token, _ in bias], "logit_bias")
+        self.prompts.check_token_ids([token for token, _ in bias], "logit_bias")
         return SamplingParams(
             temperature=pick(body.temperature, "temperature", 1.0),
             top_k=max(0, int(pick(body.top_k, "top_k", 0))),
@@ -246,21 +240,26 @@ class OpenAIRoutes:
             top_logprobs=top_logprobs or 0,
         )
 
-    async def _respond(self, request: Request, handle: RequestHandle, fmt: _Format, stream: bool,
+    def _submit(self, ids: Sequence[int], limit: int | None, param: str, **fields: Any) -> RequestHandle:
+        """The one place a GenerationRequest is built from a parsed body: the prompt, its budget, then `fields`."""
+        budget = self.prompts.budget(len(ids), limit, param)
+        return self.service.submit(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=budget, **fields))
+
+    async def _respond(self, request: Request, handle: RequestHandle, fmt: Format, stream: bool,
                        include_usage: bool) -> Response:
         if stream:
             return GenerationStream(self._stream(handle, fmt, include_usage),
                                     lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
         try:
-            text, deltas, finish = await self.service.collect(request, handle)
+            done = await self.service.collect(request, handle)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        error = finish_error(finish)
+        error = finish_error(done.finish)
         if error is not None:
             raise error
-        return JSONResponse(fmt.body(text, deltas, finish))
+        return JSONResponse(fmt.body(done.text, done.deltas, done.finish))
 
-    async def _stream(self, handle: RequestHandle, fmt: _Format, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, handle: RequestHandle, fmt: Format, include_usage: bool) -> AsyncIterator[bytes]:
         try:
             for payload in fmt.opening():
                 yield frame(payload)
@@ -289,40 +288,38 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse(ChatCompletionRequest, await self._body(request))
-        model = self.service.check_model(body.model)
+        model = self.prompts.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = self._sampling(body, top_logprobs)
-        ids = await self.service.chat_ids(body.messages)
+        ids = await self.prompts.chat_ids(body.messages)
         response_id = f"chatcmpl-{request.state.request_id}"
-        generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.token_limit, "messages"),
-                                       sampling, body.stop, response_id)
-        handle = self.service.submit(generation)
-        fmt = ChatFormat(self.service, response_id, model, top_logprobs is not None)
+        handle = self._submit(ids, body.token_limit, "messages", sampling=sampling, stop=body.stop,
+                              request_id=response_id)
+        fmt = ChatFormat(self.prompts, response_id, model, top_logprobs is not None)
         return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
 
     # ------------------------------------------------------------------ POST /v1/completions
 
     async def completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._body(request))
-        model = self.service.check_model(body.model)
+        model = self.prompts.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo: prompt logprobs are not supported; use echo or logprobs, not both",
                            param="echo", code="invalid_value")
         sampling = self._sampling(body, body.logprobs)
         if isinstance(body.prompt, str):
-            ids = await self.service.text_ids(body.prompt)  # with BOS, as vLLM does
+            ids = await self.prompts.text_ids(body.prompt)  # with BOS, as vLLM does
             prompt_text = body.prompt
         else:
             ids = list(body.prompt)
-            self.service.check_token_ids(ids, "prompt")
-            prompt_text = await self.service.decode(ids) if body.echo else ""
+            self.prompts.check_token_ids(ids, "prompt")
+            prompt_text = await self.prompts.decode(ids) if body.echo else ""
         response_id = f"cmpl-{request.state.request_id}"
-        generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.token_limit, "prompt"),
-                                       sampling, body.stop, response_id)
-        handle = self.service.submit(generation)
-        fmt = CompletionFormat(self.service, response_id, model, body.logprobs is not None,
+        handle = self._submit(ids, body.token_limit, "prompt", sampling=sampling, stop=body.stop,
+                              request_id=response_id)
+        fmt = CompletionFormat(self.prompts, response_id, model, body.logprobs is not None,
                                echo=prompt_text if body.echo else "")
         return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
 
@@ -330,50 +327,50 @@ class OpenAIRoutes:
 
     async def generate(self, request: Request) -> Response:
         body = parse(GenerateRequest, await self._body(request))
-        ids = await self.service.chat_ids([Message(role="user", content=body.prompt)])
-        generation = GenerationRequest(tuple(ids), self.service.budget(len(ids), body.max_new_tokens, "prompt"),
-                                       SamplingParams(temperature=0.0), (), f"gen-{request.state.request_id}")
-        handle = self.service.submit(generation)
+        ids = await self.prompts.chat_ids([Message(role="user", content=body.prompt)])
+        handle = self._submit(ids, body.max_new_tokens, "prompt", sampling=SamplingParams(temperature=0.0),
+                              request_id=f"gen-{request.state.request_id}")
         try:
-            text, _, finish = await self.service.collect(request, handle)
+            done = await self.service.collect(request, handle)
         except ClientGone:
             return Response(status_code=499)
+        finish = done.finish
         error = finish_error(finish)
         if error is not None:
             raise error
-        return JSONResponse({"prompt": body.prompt, "response": text, "prompt_tokens": finish.prompt_tokens,
+        return JSONResponse({"prompt": body.prompt, "response": done.text, "prompt_tokens": finish.prompt_tokens,
                              "gen_tokens": finish.completion_tokens, "finish_reason": finish.reason})
 
     # ------------------------------------------------------------------ tokenizer routes and models
 
     async def tokenize(self, request: Request) -> Response:
         body = parse(TokenizeRequest, await self._body(request))
-        self.service.check_model(body.model)
+        self.prompts.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.", param="prompt", code="invalid_value")
         if body.messages is not None:
-            ids = await self.service.chat_ids(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
+            ids = await self.prompts.chat_ids(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
                                         add_special_tokens=bool(body.add_special_tokens))
         else:
             assert body.prompt is not None
-            ids = await self.service.text_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.service.max_total})
+            ids = await self.prompts.text_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.prompts.model.max_total})
 
     async def detokenize(self, request: Request) -> Response:
         body = parse(DetokenizeRequest, await self._body(request))
-        self.service.check_model(body.model)
-        self.service.check_token_ids(body.tokens, "tokens")
-        return JSONResponse({"prompt": await self.service.decode(body.tokens)})
+        self.prompts.check_model(body.model)
+        self.prompts.check_token_ids(body.tokens, "tokens")
+        return JSONResponse({"prompt": await self.prompts.decode(body.tokens)})
 
     def _model_card(self) -> dict[str, Any]:
-        name = self.service.model_name
-        return {"id": name, "object": "model", "created": self.service.created, "owned_by": "gemma4-optb",
-                "root": name, "parent": None, "max_model_len": self.service.max_total}
+        name = self.prompts.model.name
+        return {"id": name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
+                "root": name, "parent": None, "max_model_len": self.prompts.model.max_total}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
-        self.service.check_model(request.path_params["model"])
+        self.prompts.check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 

@@ -1,28 +1,35 @@
-"""What the routes drive: the engine, the host's tokenizer and limits, the metrics, and the requests in flight.
+"""What the routes drive: the engine's requests, their metrics and logging, client disconnects and drain.
 
-Everything model-specific comes from the host (tokenizer with its chat template, vocabulary size, context size,
-generation defaults); nothing here branches on the model type or touches a tensor.
+The engine's refusals and a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere
+else. Nothing here touches a tensor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
-import anyio
-from jinja2 import TemplateError
 from starlette.requests import Request
 
 from server.api.metrics import Metrics
-from server.api.schemas import Message
 from server.config import Settings
-from server.engine import Delta, Engine, Event, Finish, GenerationRequest, RequestHandle
 from server.errors import APIError
-from server.runtime import Host
+from server.generation import (
+    Completion,
+    Delta,
+    EngineAPI,
+    EngineError,
+    EngineNotReady,
+    Event,
+    Finish,
+    GenerationRequest,
+    QueueFull,
+    RequestHandle,
+    collect,
+)
 
 log = logging.getLogger("server.api")
 
@@ -34,88 +41,22 @@ class ClientGone(Exception):
 
 
 class Service:
-    def __init__(self, settings: Settings, engine: Engine, host: Host, metrics: Metrics) -> None:
+    """The requests the routes submit: submission, their events (with metrics and one log line each), release of
+    requests whose client left, drain."""
+
+    def __init__(self, settings: Settings, engine: EngineAPI, metrics: Metrics) -> None:
         self.settings = settings
         self.engine = engine
-        self.host = host
-        self.tokenizer = host.tokenizer
         self.metrics = metrics
-        self.model_name = host.model_name
-        self.max_total = host.max_total
-        self.vocab_size = host.structure.vocab_size
-        self.created = int(time.time())
-        self.inflight: set[RequestHandle] = set()  # submitted, Finish not yet received
         self._waiters: dict[RequestHandle, asyncio.Task[None]] = {}  # released requests awaiting their Finish
-        self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
-
-    # ----------------------------------------------------------------- validation helpers
-
-    def check_model(self, model: str | None) -> str:
-        if model is not None and model != self.model_name:
-            shown = model if len(model) <= 200 else model[:200] + "..."  # never echo a 2 MB "model" back
-            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
-        return self.model_name
-
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param=param, code="invalid_value")
-
-    # Tokenizing runs on a worker thread: a 2 MB prompt takes seconds, which would stall every other stream's
-    # chunks on the event loop. (Encoding and decoding borrow the Rust tokenizer immutably and release the GIL.)
-
-    async def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                       add_special_tokens: bool = False) -> list[int]:
-        return await anyio.to_thread.run_sync(self._chat_ids, messages, add_generation_prompt, add_special_tokens)
-
-    async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await anyio.to_thread.run_sync(self._text_ids, text, add_special_tokens)
-
-    async def decode(self, ids: Sequence[int]) -> str:
-        return await anyio.to_thread.run_sync(self._decode, ids)
-
-    def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-        """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
-        special tokens again: the template writes BOS itself."""
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-                        for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        except (TemplateError, ValueError) as exc:  # ValueError: the model ships no chat template
-            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
-                           code="invalid_value") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def _text_ids(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
-        """Tokens the completion may have: the request's limit, capped by what the context leaves."""
-        room = self.max_total - prompt_tokens
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.max_total} tokens and at least one "
-                           f"must remain for the completion, but the prompt has {prompt_tokens} tokens.",
-                           param=param, code="context_length_exceeded")
-        return room if requested is None else min(requested, room)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def _token_info(self, token_id: int) -> tuple[str, list[int]]:
-        """A token's text as OpenAI's logprobs show it, and its bytes (the raw byte for byte-fallback tokens)."""
-        text = self.tokenizer.decode([token_id])
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
-        return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
 
     # ----------------------------------------------------------------- running requests
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        handle = self.engine.submit(request)  # raises 503 (not ready / draining) or 429 (queue full)
-        self.inflight.add(handle)
-        return handle
+        try:
+            return self.engine.submit(request)
+        except EngineError as exc:
+            raise engine_error(exc) from None
 
     async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
         """The engine's events, with the metrics and the one log line per request.
@@ -141,7 +82,7 @@ class Service:
     def release(self, handle: RequestHandle) -> None:
         """The caller is gone: cancel the request (frees the device within one step) and still count and log its
         Finish when it comes. A no-op for requests already finished or released."""
-        if handle not in self.inflight or handle in self._waiters:
+        if handle.delivered or handle in self._waiters:
             return
         handle.cancel()
         task = asyncio.ensure_future(self._await_finish(handle))
@@ -156,10 +97,8 @@ class Service:
                         self._finished(handle, event)
         except TimeoutError:
             log.error("%s: no Finish from the engine after cancelling", handle.request.request_id)
-            self.inflight.discard(handle)
 
     def _finished(self, handle: RequestHandle, finish: Finish) -> None:
-        self.inflight.discard(handle)
         self.metrics.observe_finish(finish)
         decode_s = finish.total_s - (finish.ttft_s or finish.total_s)
         rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else 0.0
@@ -169,18 +108,9 @@ class Service:
                  ttft, rate, finish.queue_wait_s, finish.total_s, finish.reason,
                  " (wall-clock limit)" if finish.timed_out else "", f" error={finish.error}" if finish.error else "")
 
-    async def collect(self, request: Request, handle: RequestHandle) -> tuple[str, list[Delta], Finish]:
+    async def collect(self, request: Request, handle: RequestHandle) -> Completion:
         """Run a non-streaming request to its end, cancelling it at once if the client disconnects meanwhile."""
-
-        async def consume() -> tuple[str, list[Delta], Finish]:
-            deltas: list[Delta] = []
-            async for event in self.events(handle):
-                if isinstance(event, Finish):
-                    return "".join(d.text for d in deltas), deltas, event
-                deltas.append(event)
-            raise AssertionError("the engine ends every request with a Finish")
-
-        consumer = asyncio.ensure_future(consume())
+        consumer = asyncio.ensure_future(collect(self.events(handle)))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -200,9 +130,8 @@ class Service:
         log.info("draining: %d request(s) in flight, up to %g s", self.engine.admitted, grace_s)
         if await self.engine.wait_idle(grace_s):
             return True
-        log.warning("cancelling %d request(s) still in flight after %g s", len(self.inflight), grace_s)
-        for handle in list(self.inflight):
-            handle.cancel()
+        log.warning("cancelling %d request(s) still in flight after %g s", len(self.engine.in_flight()), grace_s)
+        self.engine.cancel_all()
         return await self.engine.wait_idle(5.0)
 
 
@@ -221,3 +150,12 @@ def finish_error(finish: Finish) -> APIError | None:
         return APIError(503, "The request was cancelled: the server is shutting down.", code="cancelled",
                         headers={"Retry-After": "5"})
     return None
+
+
+def engine_error(exc: EngineError) -> APIError:
+    """The engine's refusals as HTTP statuses: the one place they are chosen."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), code="queue_full", headers=headers)
+    state = exc.state if isinstance(exc, EngineNotReady) else "error"
+    return APIError(503, str(exc), code=f"model_{state}", headers=headers)

@@ -1,4 +1,5 @@
-"""`serve(settings) -> int`: load the host side, build the engine and the app, run uvicorn until SIGTERM.
+"""`serve(settings) -> int`, the composition root: load the host side, build the engine and the app (which is
+given only the engine and the model's facts), apply the process-wide policy, run uvicorn until SIGTERM.
 
 SIGTERM (or Ctrl+C) drains instead of stopping at once: `/health` turns 503 "draining" (the load balancer
 stops sending), new requests get 503, requests in flight run to completion for up to `shutdown_grace_s`, the
@@ -13,7 +14,6 @@ Deliberate choices:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import socket
 import sys
@@ -24,8 +24,9 @@ import uvicorn
 
 from server.config import Settings
 from server.errors import ArtifactError
+from server.process import collector_paused, release_freed_memory
 
-log = logging.getLogger("server.api")
+log = logging.getLogger("server.api")  # the server's one log voice, as before the move
 
 
 class DrainingServer(uvicorn.Server):
@@ -61,11 +62,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: Settings) -> int:
-    # Start-up creates millions of objects that live as long as the process (torch's and the web stack's modules,
-    # the tokenizer): the collector's passes over them find nothing and cost ~0.2 s of a ~3 s start. The engine
-    # freezes all of it out of the collector once the graph is loaded.
-    gc.disable()
-    try:
+    with collector_paused():  # the engine freezes start-up's objects out of the collector once the graph is in
         from server.api.app import create_app
         from server.runtime import build_engine, load_host
 
@@ -74,10 +71,9 @@ def serve(settings: Settings) -> int:
         except ArtifactError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        release_freed_memory()
         engine = build_engine(host, settings)
-        app = create_app(settings, engine, host)
-    finally:
-        gc.enable()
+        app = create_app(settings, engine, host.info)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5, server_header=False)

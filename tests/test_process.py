@@ -1,8 +1,8 @@
-"""The host's loaders."""
+"""Process-wide start-up policy."""
 
 from __future__ import annotations
 
-from server.runtime import release_freed_memory
+from server.process import release_freed_memory
 
 
 def test_release_freed_memory_is_safe_to_call() -> None:

@@ -1,0 +1,202 @@
+"""What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors, and the two
+small interfaces `api/` is given (an engine, a model's facts).
+
+Deliberate choices:
+- Requests are built by keyword only, so a new optional field (a token constraint, `min_tokens`, ...) never
+  shifts another one.
+- The engine's errors carry what a caller needs (the state, a retry-after) and no HTTP: `api/` maps them to statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
+GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 => greedy
+    top_k: int = 0  # 0 (or -1) => off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/vLLM: divide positive / multiply negative logits of seen tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    request_id: str = ""
+    timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text safe to show (stop strings held back), and the token it came from (None for a final flush)."""
+
+    text: str
+    token_id: int | None = None
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finish:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int = 0
+    prefill_calls: int = 0
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None  # submission -> first token
+    total_s: float = 0.0
+    graph_calls: int = 0
+    device_s: float = 0.0  # time inside those graph calls: the rest of total_s is queueing and host work
+    error: str | None = None
+    timed_out: bool = False
+
+
+Event = Delta | Finish
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation: its text, its deltas, its token ids (eos included when it stopped there), how it ended."""
+
+    text: str
+    token_ids: list[int]
+    finish: Finish
+    deltas: list[Delta] = field(default_factory=list)
+
+
+class EngineError(Exception):
+    """A request the engine will not take now; `retry_after_s` says when trying again makes sense."""
+
+    retry_after_s = 1
+
+
+class EngineNotReady(EngineError):
+    """Loading, failed (load error or a stalled device) or draining: `state` and `reason` say which."""
+
+    retry_after_s = 5
+
+    def __init__(self, state: str, reason: str = "") -> None:
+        super().__init__(f"The model is not ready: {state}{': ' + reason if reason else ''}")
+        self.state = state
+        self.reason = reason
+
+
+class QueueFull(EngineError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The server is busy: {limit} requests are already admitted. Retry shortly.")
+        self.limit = limit
+
+
+class RequestHandle:
+    """One request: the caller's side (an async stream of events, `cancel()`) and the worker's (`publish`)."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.submitted = time.monotonic()
+        self.started: float | None = None
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.finished = False  # set by the worker side once a Finish was sent
+        self.delivered = False  # set on the caller's side once the Finish was received
+
+    def publish(self, event: Event) -> None:
+        """The worker side: hand one event to the caller's event loop (thread-safe)."""
+        if isinstance(event, Finish):
+            self.finished = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Finish):
+                self.delivered = True
+                yield event
+                return
+            yield event
+
+    async def result(self) -> Completion:
+        """Wait for the whole generation (non-streaming callers)."""
+        return await collect(self.events())
+
+
+async def collect(events: AsyncIterator[Event]) -> Completion:
+    """An event stream gathered into one Completion."""
+    deltas: list[Delta] = []
+    async for event in events:
+        if isinstance(event, Finish):
+            ids = [d.token_id for d in deltas if d.token_id is not None]
+            return Completion("".join(d.text for d in deltas), ids, event, deltas)
+        deltas.append(event)
+    raise AssertionError("the event stream ended without a Finish")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The facts about the served model that the HTTP layer needs."""
+
+    name: str
+    max_total: int  # context: prompt + completion
+    vocab_size: int
+    generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
+    # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
+    # server.tokenizer.HostTokenizer's serving surface
+    tokenizer: Any
+
+
+class EngineAPI(Protocol):
+    """The engine's public surface, as `api/` uses it (server.engine.Engine is one)."""
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def state_reason(self) -> str: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def admitted(self) -> int: ...
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
+    def drain(self) -> None: ...
+    def in_flight(self) -> list[RequestHandle]: ...
+    def cancel_all(self) -> None: ...
+    async def wait_idle(self, timeout: float) -> bool: ...
