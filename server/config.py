@@ -53,6 +53,14 @@ def _user_path(text: str) -> Path:
     return Path(text).expanduser()
 
 
+def _switch(text: str) -> bool:
+    """An on/off setting: a bare flag on the command line, 1/0 (true/false, yes/no, on/off) in the environment."""
+    value = text.strip().lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+    return value in ("1", "true", "yes", "on")
+
+
 def _graph_kind(text: str) -> str:
     if text not in GRAPH_KINDS:
         raise ValueError(f"must be one of {', '.join(GRAPH_KINDS)}, got {text!r}")
@@ -88,6 +96,7 @@ OPTIONS: tuple[Option, ...] = (
            "(default: ~/.cache/gemma4-optb)"),
     Option("null_step_ms", "--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
            "with --graph null: simulated device time per graph call, ms (benchmarks)"),
+    Option("no_ui", "--no-ui", "NO_UI", _switch, False, "do not serve the chat page at / (404 there)"),
 )
 
 
@@ -111,6 +120,7 @@ class Settings:
     log_level: str = "info"
     cache_dir: Path | None = None  # main() fills in ~/.cache/gemma4-optb
     null_step_ms: float = 0.0
+    no_ui: bool = False
 
     def __post_init__(self) -> None:
         _graph_kind(self.graph)
@@ -157,5 +167,9 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
         if names is not None and option.name not in names:
             continue
         env = f" [env {option.env}]" if option.env else ""
+        if option.kind is _switch:  # a bare flag: present means on
+            parser.add_argument(option.flag, dest=option.name, action="store_const", const=True, default=None,
+                                help=f"{option.help}{env}")
+            continue
         parser.add_argument(option.flag, dest=option.name, type=typed(option), default=None,
                             help=f"{option.help} (default: {option.default}){env}")
