@@ -39,6 +39,7 @@ from server.config import Settings
 from server.engine import Engine
 from server.errors import APIError
 from server.runtime import Host
+from server.ui import chat_page_html
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -144,7 +145,7 @@ def create_app(settings: Settings, engine: Engine, host: Host) -> Starlette:
         Route("/detokenize", protected(api.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-        *([] if settings.no_ui else [Route("/", chat_page, methods=["GET"])]),  # open: the page holds no secret
+        *([] if settings.no_ui else [Route("/", chat_page(chat_page_html()), methods=["GET"])]),  # open: no secret
     ]
     known = frozenset(r.path for r in routes if "{" not in r.path)
 

@@ -1,4 +1,4 @@
-"""`GET /`: the chat page, one static file (server/api/static/chat.html) served as it is.
+"""`GET /`: the chat page, one static file (server/static/chat.html) served as it is.
 
 Deliberate choices:
 - No API key: the page holds no secret; it asks for a key only when the API answers 401.
@@ -8,8 +8,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
-import functools
-from importlib.resources import files
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,10 +21,10 @@ _HEADERS = {
 }
 
 
-@functools.cache
-def _page() -> bytes:
-    return files("server.api").joinpath("static", "chat.html").read_bytes()
+def chat_page(html: bytes) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint serving `html` (the page's bytes, read before serving)."""
 
+    async def page(request: Request) -> Response:
+        return Response(html, media_type="text/html; charset=utf-8", headers=_HEADERS)
 
-async def chat_page(request: Request) -> Response:
-    return Response(_page(), media_type="text/html; charset=utf-8", headers=_HEADERS)
+    return page
