@@ -155,6 +155,8 @@ def real() -> Iterator[LiveServer]:
 
 def test_browser_streams_the_demo_model_and_resends_the_conversation(real: LiveServer, page: Page,
                                                                      tmp_path: Path) -> None:
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
     page.goto(f"{real.url}/")
     page.wait_for_selector("#model:has-text('gemma-test')")
     page.fill("#system", "You are terse.")
@@ -183,6 +185,10 @@ def test_browser_streams_the_demo_model_and_resends_the_conversation(real: LiveS
     say(page, "Three more?")
     page.locator(".msg.assistant .stats").nth(1).wait_for()
     assert metric(real.url, "gemma4_prefix_cache_hit_tokens_total") - reused >= expected["usage"]["prompt_tokens"]
+
+    # the page fetched nothing but this server's page and API
+    assert requested and all(url.startswith(f"{real.url}/") for url in requested), requested
+    assert f"{real.url}/v1/chat/completions" in requested
 
     shot = tmp_path / "chat.png"
     page.screenshot(path=str(shot), full_page=True)
