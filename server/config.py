@@ -46,6 +46,14 @@ def _user_path(text: str) -> Path:
     return Path(text).expanduser()
 
 
+def _switch(text: str) -> bool:
+    """An on/off setting: a bare flag on the command line, 1/0 (true/false, yes/no, on/off) in the environment."""
+    value = text.strip().lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+    return value in ("1", "true", "yes", "on")
+
+
 def _graph_kind(text: str) -> str:
     if text not in GRAPH_KINDS:
         raise ValueError(f"must be one of {', '.join(GRAPH_KINDS)}, got {text!r}")
@@ -106,6 +114,8 @@ class Settings:
                                       shown=DEFAULT_CACHE)
     null_step_ms: float = _setting("--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
                                    "with --graph null: simulated device time per graph call, ms (benchmarks)")
+    no_ui: bool = _setting("--no-ui", "NO_UI", _switch, False, "do not serve the chat page at / (404 there); the env takes 1/0 "
+                           "(true/false, yes/no, on/off)", shown="off")
 
     def __post_init__(self) -> None:
         _graph_kind(self.graph)
@@ -153,6 +163,10 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
 
     for option in OPTIONS:
         if names is not None and option.name not in names:
+            continue
+        if option.kind is _switch:  # a bare flag: present means on
+            parser.add_argument(option.flag, dest=option.name, action="store_const", const=True, default=None,
+                                help=f"{option.help} (default: {option.shown}) [env {option.env}]")
             continue
         parser.add_argument(option.flag, dest=option.name, type=typed(option), default=None,
                             help=f"{option.help} (default: {option.shown}) [env {option.env}]")

@@ -36,7 +36,7 @@ from tests.models import demo_dir
 
 KEY = "sk-reliability-ключ"  # non-ASCII on purpose: clients send it as UTF-8 bytes
 HI = [{"role": "user", "content": "Hi"}]
-OPEN = {"/health", "/metrics"}
+OPEN = {"/health", "/metrics", "/"}  # "/": the chat page holds no secret
 
 
 def cli_settings(args: list[str], environ: dict[str, str]) -> Settings:

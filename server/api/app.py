@@ -8,7 +8,8 @@ Deliberate choices:
 - Every error, ours (`APIError`) or Starlette's (404 unknown route, 405 wrong method) or a bug (500), goes
   through `error_response`, so clients always get OpenAI's `{"error": {...}}`.
 - Auth wraps the protected endpoints rather than being a middleware, so a bad key is an `APIError` like any
-  other. `/health` and `/metrics` stay open (load balancers and scrapers carry no key).
+  other. `/health` and `/metrics` stay open (load balancers and scrapers carry no key), and so does the chat page
+  at `/` (it holds no secret; it asks for the key when the API says 401).
 - Middlewares are plain ASGI (not `BaseHTTPMiddleware`), so streams and disconnect detection pass untouched.
 """
 
@@ -32,11 +33,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.metrics import Metrics, MetricsMiddleware
 from server.api.openai import OpenAIRoutes
+from server.api.page import chat_page
 from server.api.prompts import Prompts
 from server.api.service import Service
 from server.config import Settings
 from server.errors import APIError
 from server.generation import EngineAPI, ModelInfo
+from server.ui import chat_page_html
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -142,6 +145,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
         Route("/detokenize", protected(api.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        *([] if settings.no_ui else [Route("/", chat_page(chat_page_html()), methods=["GET"])]),  # open: no secret
     ]
     known = frozenset(r.path for r in routes if "{" not in r.path)
 
