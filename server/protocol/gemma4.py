@@ -31,6 +31,7 @@ choices (tests/test_protocol_gemma4.py pins each):
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -239,7 +240,10 @@ def _value(text: str, i: int) -> tuple[Any, int]:
     if bare in ("true", "false", "null"):
         return json.loads(bare), match.end()
     if _NUMBER.fullmatch(bare):
-        return json.loads(bare), match.end()
+        number = json.loads(bare)
+        if math.isinf(number):  # JSON has no infinity: "1e999" is not an argument value we can pass on
+            raise _Syntax(f"number out of range at {i}")
+        return number, match.end()
     if not bare or any(c in bare for c in "{[:\""):
         raise _Syntax(f"unreadable value {bare!r} at {i}")
     return bare, match.end()  # an unquoted string: unambiguous enough to keep
