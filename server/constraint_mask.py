@@ -5,9 +5,10 @@ logit_bias and penalties and before greedy/top-k: disallowed tokens become -inf,
 top-k, soft-cap, temperature, top-p, the draw) sees only allowed tokens, and raw logprobs are those of the
 constrained distribution. Requests without a constraint never get here.
 
-Two ways to apply, chosen per step by how many tokens the grammar allows (measured in server/constraint_bench.py):
-few allowed (inside a grammar's structure: a handful of ids) -> gather them into a fresh -inf row; many allowed
-(free text inside a string) -> one masked_fill over the vocabulary.
+Three ways to apply, chosen per step from the mask's words (so no step expands all 262,144 bits unless it must):
+- few allowed (a grammar's structure: a handful of ids): gather them into a fresh -inf row;
+- few disallowed (free text inside a string: everything but the special tokens): -inf at those ids;
+- otherwise: one masked_fill over the vocabulary.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 from server.constraints import Constraint
 
-_GATHER_MAX = 4096  # up to this many allowed ids, gathering them beats a full-vocabulary masked_fill
+_FEW_WORDS = 256  # up to this many 32-bit words to expand (8,192 ids), the sparse paths beat a full masked_fill
+_ALL = np.int32(-1)
 
 
 class TokenMask:
@@ -33,15 +35,28 @@ class TokenMask:
         return apply_bitmask_(logits, self.bits)
 
 
+def _ids(bits: np.ndarray, words: np.ndarray, value: int) -> np.ndarray:
+    """The ids whose bit equals `value` (0 or 1) within the given word indices."""
+    unpacked = np.unpackbits(bits[words].view(np.uint8), bitorder="little").reshape(len(words), 32)  # [k, 32]
+    rows, cols = np.nonzero(unpacked == value)
+    return words[rows].astype(np.int64) * 32 + cols
+
+
 def apply_bitmask_(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
     vocab = logits.shape[0]
-    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab]  # [V] uint8, 1 = allowed
-    ids = np.flatnonzero(allowed)
-    if len(ids) <= _GATHER_MAX:
-        index = torch.from_numpy(ids)
+    allowed_words = np.flatnonzero(bits)
+    if len(allowed_words) <= _FEW_WORDS:
+        ids = _ids(bits, allowed_words, 1)
+        index = torch.from_numpy(ids[ids < vocab])
         kept = logits.index_select(0, index)
         logits.fill_(float("-inf"))
         logits.index_copy_(0, index, kept)
-    else:
-        logits.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+        return logits
+    partial_words = np.flatnonzero(bits != _ALL)
+    if len(partial_words) <= _FEW_WORDS:
+        ids = _ids(bits, partial_words, 0)
+        logits.index_fill_(0, torch.from_numpy(ids[ids < vocab]), float("-inf"))
+        return logits
+    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab]  # [V] uint8, 1 = allowed
+    logits.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
     return logits
