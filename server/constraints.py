@@ -543,6 +543,7 @@ def _types(schema: Mapping[str, Any], where: str) -> list[str]:
     if kind is None:
         if "properties" in schema:
             return ["object"]
+        _check_keys(schema, {"type"}, where)  # names an unsupported keyword (oneOf, not, ...) if there is one
         raise ConstraintError(f"{where}: a schema without 'type' is not supported here", where)
     kinds = kind if isinstance(kind, list) else [kind]
     for k in kinds:
