@@ -5,34 +5,50 @@ logit_bias and penalties and before greedy/top-k: disallowed tokens become -inf,
 top-k, soft-cap, temperature, top-p, the draw) sees only allowed tokens, and raw logprobs are those of the
 constrained distribution. Requests without a constraint never get here.
 
-Three ways to apply, chosen per step from the mask's words (so no step expands all 262,144 bits unless it must):
-- few allowed (a grammar's structure: a handful of ids): gather them into a fresh -inf row;
-- few disallowed (free text inside a string: everything but the special tokens): -inf at those ids;
-- otherwise: one masked_fill over the vocabulary.
+A mask becomes a plan: the ids to keep (when few are allowed: a grammar's structure) or the ids to ban (when few
+are not: free text inside a string), found from the mask's 32-bit words without expanding all 262,144 bits unless
+it must. `TokenMask` keeps the last plan: inside a string the mask repeats step after step, and then applying it
+is one `index_fill_`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from server.constraints import Constraint
 
-_FEW_WORDS = 256  # up to this many 32-bit words to expand (8,192 ids), the sparse paths beat a full masked_fill
+_FEW_WORDS = 256  # up to this many 32-bit words to expand (8,192 ids), the sparse paths beat a full unpack
 _ALL = np.int32(-1)
 
 
+class MaskPlan(NamedTuple):
+    keep: bool  # True: only `ids` are allowed; False: `ids` are the disallowed ones
+    ids: torch.Tensor  # [k] int64
+
+
 class TokenMask:
-    """A reusable bitmask buffer for one vocabulary size (one per engine; not thread-safe)."""
+    """A reusable bitmask buffer for one vocabulary size, with the last mask's plan (one per engine thread)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._last_bits = np.zeros_like(self.bits)
+        self._last_plan: MaskPlan | None = None
 
     def apply_(self, constraint: Constraint, logits: torch.Tensor) -> torch.Tensor:
         """Fill the mask from `constraint` and set the disallowed entries of `logits` ([V] float, modified) to -inf."""
         constraint.fill_mask(self.bits)
-        return apply_bitmask_(logits, self.bits)
+        return self.apply_filled_(logits)
+
+    def apply_filled_(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply what is in `self.bits` now."""
+        if self._last_plan is None or not np.array_equal(self.bits, self._last_bits):
+            self._last_plan = mask_plan(self.bits, self.vocab_size)
+            self._last_bits[:] = self.bits
+        return apply_plan_(logits, self._last_plan)
 
 
 def _ids(bits: np.ndarray, words: np.ndarray, value: int) -> np.ndarray:
@@ -42,21 +58,32 @@ def _ids(bits: np.ndarray, words: np.ndarray, value: int) -> np.ndarray:
     return words[rows].astype(np.int64) * 32 + cols
 
 
-def apply_bitmask_(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
-    vocab = logits.shape[0]
+def mask_plan(bits: np.ndarray, vocab_size: int) -> MaskPlan:
     allowed_words = np.flatnonzero(bits)
     if len(allowed_words) <= _FEW_WORDS:
         ids = _ids(bits, allowed_words, 1)
-        index = torch.from_numpy(ids[ids < vocab])
-        kept = logits.index_select(0, index)
-        logits.fill_(float("-inf"))
-        logits.index_copy_(0, index, kept)
-        return logits
+        return MaskPlan(True, torch.from_numpy(ids[ids < vocab_size]))
     partial_words = np.flatnonzero(bits != _ALL)
     if len(partial_words) <= _FEW_WORDS:
         ids = _ids(bits, partial_words, 0)
-        logits.index_fill_(0, torch.from_numpy(ids[ids < vocab]), float("-inf"))
-        return logits
-    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab]  # [V] uint8, 1 = allowed
-    logits.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+        return MaskPlan(False, torch.from_numpy(ids[ids < vocab_size]))
+    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab_size].view(np.bool_)  # [V]
+    count = int(np.count_nonzero(allowed))
+    if count <= vocab_size // 2:
+        return MaskPlan(True, torch.from_numpy(np.flatnonzero(allowed)))
+    return MaskPlan(False, torch.from_numpy(np.flatnonzero(~allowed)))
+
+
+def apply_plan_(logits: torch.Tensor, plan: MaskPlan) -> torch.Tensor:
+    if plan.keep:
+        kept = logits.index_select(0, plan.ids)
+        logits.fill_(float("-inf"))
+        logits.index_copy_(0, plan.ids, kept)
+    elif len(plan.ids):
+        logits.index_fill_(0, plan.ids, float("-inf"))
     return logits
+
+
+def apply_bitmask_(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
+    """`logits` ([V] float, modified) with every id whose bit is 0 set to -inf."""
+    return apply_plan_(logits, mask_plan(bits, logits.shape[0]))

@@ -304,3 +304,14 @@ def test_token_mask_applies_a_constraint(vocab) -> None:
     row = TokenMask(V).apply_(constraint, logits.clone())
     assert torch.isfinite(row).nonzero().flatten().tolist() == [CALL_OPEN]
     assert row[CALL_OPEN] == logits[CALL_OPEN]
+
+
+def test_token_mask_reuses_its_plan_only_for_the_same_mask() -> None:
+    mask = TokenMask(V)
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(2))
+    for allowed_ids_now in ([5], [5], list(range(0, V, 2)), list(range(0, V, 2)), [7, 9]):
+        allowed = np.zeros(V, dtype=bool)
+        allowed[allowed_ids_now] = True
+        mask.bits[:] = np.packbits(allowed.astype(np.uint8), bitorder="little").view(np.int32)
+        expected = torch.where(torch.from_numpy(allowed), logits, torch.tensor(float("-inf")))
+        assert torch.equal(mask.apply_filled_(logits.clone()), expected)
