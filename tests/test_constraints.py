@@ -315,3 +315,11 @@ def test_token_mask_reuses_its_plan_only_for_the_same_mask() -> None:
         mask.bits[:] = np.packbits(allowed.astype(np.uint8), bitorder="little").view(np.int32)
         expected = torch.where(torch.from_numpy(allowed), logits, torch.tensor(float("-inf")))
         assert torch.equal(mask.apply_filled_(logits.clone()), expected)
+
+
+def test_building_constraints_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, server.constraints; assert 'torch' not in sys.modules, 'torch loaded'"
+    subprocess.run([sys.executable, "-c", code], check=True)
