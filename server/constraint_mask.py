@@ -7,12 +7,13 @@ constrained distribution. Requests without a constraint never get here.
 
 A mask becomes a plan: the ids to keep (when few are allowed: a grammar's structure) or the ids to ban (when few
 are not: free text inside a string), found from the mask's 32-bit words without expanding all 262,144 bits unless
-it must. `TokenMask` keeps the last plan: inside a string the mask repeats step after step, and then applying it
-is one `index_fill_`.
+it must. `TokenMask` keeps the plans of recent masks: a JSON document alternates between a few masks (inside a key,
+inside a string value, ...), and then applying one is a single `index_fill_`.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -30,13 +31,13 @@ class MaskPlan(NamedTuple):
 
 
 class TokenMask:
-    """A reusable bitmask buffer for one vocabulary size, with the last mask's plan (one per engine thread)."""
+    """A reusable bitmask buffer for one vocabulary size, with recent masks' plans (one per engine thread)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, plans: int = 16) -> None:
         self.vocab_size = vocab_size
         self.bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
-        self._last_bits = np.zeros_like(self.bits)
-        self._last_plan: MaskPlan | None = None
+        self._plans: OrderedDict[bytes, MaskPlan] = OrderedDict()
+        self._max_plans = plans
 
     def apply_(self, constraint: Constraint, logits: torch.Tensor) -> torch.Tensor:
         """Fill the mask from `constraint` and set the disallowed entries of `logits` ([V] float, modified) to -inf."""
@@ -45,10 +46,15 @@ class TokenMask:
 
     def apply_filled_(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply what is in `self.bits` now."""
-        if self._last_plan is None or not np.array_equal(self.bits, self._last_bits):
-            self._last_plan = mask_plan(self.bits, self.vocab_size)
-            self._last_bits[:] = self.bits
-        return apply_plan_(logits, self._last_plan)
+        key = self.bits.tobytes()  # 32 KB at V=262,144: hashing it is ~20x cheaper than planning
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = mask_plan(self.bits, self.vocab_size)
+            if len(self._plans) > self._max_plans:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return apply_plan_(logits, plan)
 
 
 def _ids(bits: np.ndarray, words: np.ndarray, value: int) -> np.ndarray:

@@ -16,12 +16,16 @@ Sources of constraints:
 - `tool_choice` "none": the call-opening token is banned (no grammar);
 - `tool_choice` "auto" with `parallel_tool_calls: false`: free until the first `<tool_call|>`, then only a stop id.
 
-Why llguidance (measured on this host, 2 shared cores, real 262k Gemma tokenizer; see server/constraint_bench.py):
-mask p50 ~0.02 ms for both json_schema and json_object (xgrammar 0.003-0.01 ms), but a schema compiles in ~9 ms
-against xgrammar's ~420 ms (xgrammar precomputes a per-grammar cache over the whole vocabulary), compile work is
-bounded by fuel limits, and its Lark grammars reference special tokens by id (`<[48]>`) and intersect regexes
-(`& ~/.../`), which Gemma's `<|"|>`-delimited strings need. Its one-time tokenizer build takes seconds (see
-`GrammarVocab`): do it once at start-up, off the device thread.
+Why llguidance, not xgrammar (both measured on this host, 2 cores shared with other jobs at load 8-11, the real 262k
+Gemma tokenizer, 3 JSON documents forced through a 6-property schema, 215 mask fills each):
+                      compile json_schema   compile json_object   fill p50 / p99 (ms)
+    llguidance 1.9.1       9-13 ms               1.4-9.5 ms        0.015-0.021 / 2-8 (first pass builds lexer states)
+    xgrammar 0.2.9       420-880 ms            430-800 ms          0.003-0.010 / 0.3-1.2
+Both fill a mask far under the 0.5 ms goal; xgrammar precomputes a per-grammar cache over the whole vocabulary, so
+each new schema costs ~0.5 s of CPU, where llguidance compiles in milliseconds with its work bounded by fuel limits.
+Its Lark grammars also reference special tokens by id (`<[48]>`) and intersect regexes (`& ~/.../`), which Gemma's
+`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s here, more under load; see
+`GrammarVocab`): do it once, off the device thread. Per-token cost with the torch side: server/constraint_bench.py.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class ConstraintLimits:
 class GrammarVocab:
     """The tokenizer as the grammar engine needs it, built once per model.
 
-    Seconds of work (~6-13 s on this 2-core host for Gemma's 262k tokens): build it at start-up in a thread, or
-    lazily on the first constrained request (off the device thread). `stop_ids` are the ids that end generation
+    Seconds of work (13-20 s on this 2-core host for Gemma's 262k tokens, up to a minute under heavy load; building
+    it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s): build it at start-up in a thread, or
+    lazily on the first constrained request (never on the device thread). `stop_ids` are the ids that end generation
     (eos plus the generation config's extra stops): a finished grammar allows exactly those.
     """
 
