@@ -1,0 +1,213 @@
+"""What every chat protocol offers the API layer, and the plain protocol of a model with no native tool format.
+
+A protocol has two sides:
+- request: `prompt_inputs(messages, tools=..., chat_template_kwargs=..., reasoning_effort=...)` turns OpenAI chat
+  messages (plain dicts, None-valued keys allowed) into what the model's chat template takes, or raises
+  `ProtocolError` (the API's 400, naming the offending field in `param`);
+- response: `parser(...)` returns a streaming `OutputParser`: `feed(text) -> Delta` with text decoded from the
+  generated ids *as the protocol needs it* (`keep_special_tokens`), then `finish() -> ParseEnd`.
+
+Torch-free, engine-free, and testable with plain strings.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# OpenAI's reasoning_effort values; "none" turns thinking off, every other one on (Gemma-4 has no effort levels).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+class ProtocolError(ValueError):
+    """A request the protocol cannot honour: the API answers 400 with this message and `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One tool call in OpenAI's streaming shape. This parser emits each call once, complete: `id` and `name` set and
+    `arguments` the whole JSON object text (OpenAI clients accumulate fragments by `index`; one fragment is valid)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one `feed()` adds to the answer: visible text, thought-channel text, completed tool calls."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+@dataclass(frozen=True)
+class ParseEnd:
+    """`finish()`'s answer: the last delta, and whether any complete call was made (finish_reason "tool_calls",
+    unless the engine stopped for length: the caller keeps "length" then)."""
+
+    delta: Delta
+    called_tools: bool
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """Arguments for `HostTokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+    **template_kwargs)`."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    thinking: bool = False
+
+
+@dataclass
+class ParsedMessage:
+    """A whole answer, for non-streaming responses: `collect(parser, text)`."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    called_tools: bool = False
+
+    def add(self, delta: Delta) -> None:
+        self.content += delta.content
+        self.reasoning += delta.reasoning
+        self.tool_calls.extend(delta.tool_calls)
+
+
+class OutputParser(ABC):
+    @abstractmethod
+    def feed(self, text: str) -> Delta:
+        """Text the detokenizer released since the last call (any split, even inside a special token's text)."""
+
+    @abstractmethod
+    def finish(self) -> ParseEnd:
+        """The stream ended (stop, eos or length): flush what was held back."""
+
+
+def collect(parser: OutputParser, *chunks: str) -> ParsedMessage:
+    message = ParsedMessage()
+    for chunk in chunks:
+        message.add(parser.feed(chunk))
+    end = parser.finish()
+    message.add(end.delta)
+    message.called_tools = end.called_tools
+    return message
+
+
+class ChatProtocol(ABC):
+    name: str
+    supports_tools: bool
+    # The detokenizer must decode with skip_special_tokens=False for this protocol's parser (its markers are specials).
+    keep_special_tokens: bool
+
+    @abstractmethod
+    def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None,
+                      reasoning_effort: str | None = None) -> PromptInputs: ...
+
+    @abstractmethod
+    def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True) -> OutputParser: ...
+
+
+def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None,
+                  default: bool = False) -> bool:
+    """enable_thinking from `chat_template_kwargs` and `reasoning_effort` ("none" = off); contradictions are refused."""
+    kwargs = chat_template_kwargs or {}
+    explicit = kwargs.get("enable_thinking")
+    if explicit is not None and not isinstance(explicit, bool):
+        raise ProtocolError("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
+    from_effort = None
+    if reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORTS:
+            raise ProtocolError(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}", "reasoning_effort")
+        from_effort = reasoning_effort != "none"
+    if explicit is not None and from_effort is not None and explicit != from_effort:
+        raise ProtocolError(f"reasoning_effort={reasoning_effort!r} contradicts chat_template_kwargs.enable_thinking="
+                            f"{str(explicit).lower()}", "reasoning_effort")
+    for value in (explicit, from_effort):
+        if value is not None:
+            return value
+    return default
+
+
+def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as chat templates take them: None-valued keys dropped, `reasoning` named
+    `reasoning_content`, tool-call arguments (JSON strings on the wire) parsed into objects."""
+    converted: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        plain = {key: value for key, value in message.items() if value is not None}
+        if "reasoning" in plain:
+            plain.setdefault("reasoning_content", plain.pop("reasoning"))
+        calls = plain.get("tool_calls")
+        if calls:
+            plain["tool_calls"] = [_call_with_object_arguments(call, f"messages[{i}].tool_calls[{j}]")
+                                   for j, call in enumerate(calls)]
+        converted.append(plain)
+    return converted
+
+
+def _call_with_object_arguments(call: Mapping[str, Any], where: str) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise ProtocolError(f"{where}.function.name is required", f"{where}.function.name")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(f"{where}.function.arguments is not valid JSON: {exc}", f"{where}.function.arguments") \
+                from None
+    if not isinstance(arguments, dict):
+        raise ProtocolError(f"{where}.function.arguments must be a JSON object", f"{where}.function.arguments")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class PlainProtocol(ChatProtocol):
+    """A model without a native tool or thought format (the Gemma-3 270M demo): text in, text out.
+
+    Its detokenizer keeps today's skip_special_tokens=True; tools, tool messages and thinking are refused (400).
+    """
+
+    name = "plain"
+    supports_tools = False
+    keep_special_tokens = False
+
+    def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None,
+                      reasoning_effort: str | None = None) -> PromptInputs:
+        if tools:
+            raise ProtocolError("tools: this model has no native tool-call format", "tools")
+        for i, message in enumerate(messages):
+            if message.get("role") == "tool" or message.get("tool_calls"):
+                raise ProtocolError(f"messages[{i}]: this model has no native tool-call format", f"messages[{i}]")
+        kwargs = dict(chat_template_kwargs or {})
+        if thinking_from(kwargs, reasoning_effort):
+            raise ProtocolError("this model has no thinking mode", "reasoning_effort" if reasoning_effort else
+                                "chat_template_kwargs")
+        return PromptInputs(openai_messages(messages), None, kwargs, thinking=False)
+
+    def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True) -> OutputParser:
+        return PlainParser()
+
+
+class PlainParser(OutputParser):
+    def feed(self, text: str) -> Delta:
+        return Delta(content=text)
+
+    def finish(self) -> ParseEnd:
+        return ParseEnd(Delta(), False)

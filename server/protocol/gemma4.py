@@ -1,0 +1,474 @@
+"""Gemma-4's chat protocol: thinking, tool declarations, tool calls and tool responses.
+
+The format (Google's Gemma-4 prompt-formatting guide; the public Gemma-4 parsers of vLLM and llama.cpp):
+- turns `<|turn>ROLE\\n...<turn|>\\n`, the assistant being `model`;
+- thinking: `<|think|>` at the top of the system turn; the model then writes `<|channel>thought\\n...<channel|>` before
+  its answer (the template ends a thinking-off prompt with that channel empty);
+- a call: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:42,flag:true,obj:{k:[1,2]}}<tool_call|>`, several concatenated;
+  bare keys, strings between `<|"|>` tokens, other values as in JSON; results come back in the same model turn as
+  `<|tool_response>response:NAME{...}<tool_response|>` (a stop id: the model waits for the result there).
+
+Request side (`Gemma4Protocol.prompt_inputs`): OpenAI messages as the template takes them: tool-call arguments parsed
+into objects, `role: "tool"` messages given the called function's `name` (found by `tool_call_id`) and their content
+parsed when it is a JSON object (the template renders objects natively), `enable_thinking` from
+`chat_template_kwargs` / `reasoning_effort` ("none" = off; default off).
+
+Response side (`Gemma4Parser`): fed the text decoded *with* special tokens, in chunks split anywhere. Deliberate
+choices (tests/test_protocol_gemma4.py pins each):
+- A tool call is held until it is complete and then emitted once, whole (index, id, name, the full JSON arguments):
+  a stream cut mid-call can therefore never have sent a partial call. At `finish()` a call cut short is returned as
+  content (never dropped), and `called_tools` counts complete calls only.
+- `<|"|>` never reaches the client: inside a call it is the string delimiter; anywhere else it is written as `"`.
+- Recovered, not dropped: a call without the `call:` prefix (`<|tool_call>NAME{...}<tool_call|>`), and a call
+  without its opening `<|tool_call>` (`call:NAME{...}` in the text, closed by `<tool_call|>`, or followed by another
+  call or the end of the answer when NAME is a declared tool). Whatever does not parse as a call to a declared tool
+  (when tool names are given) comes back as content.
+- Any thought channel (`<|channel>NAME\\n...<channel|>`) is reasoning; `<|tool_call>` inside a channel closes it.
+- Special tokens other than the protocol's markers (`<eos>`, `<turn|>`, ...) are removed from content and reasoning,
+  as skip_special_tokens would have done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from server.protocol.base import (
+    ChatProtocol,
+    Delta,
+    OutputParser,
+    ParseEnd,
+    PromptInputs,
+    ProtocolError,
+    ToolCallDelta,
+    openai_messages,
+    thinking_from,
+)
+
+TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"
+CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
+THINK = "<|think|>"
+QUOTE = '<|"|>'
+TOOL_OPEN, TOOL_CLOSE = "<|tool>", "<tool|>"
+CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<|tool_response>", "<tool_response|>"
+MARKERS = (TURN_OPEN, TURN_CLOSE, CHANNEL_OPEN, CHANNEL_CLOSE, THINK, QUOTE, TOOL_OPEN, TOOL_CLOSE, CALL_OPEN,
+           CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE)
+# Stop ids besides eos, by text (the engine resolves them to ids): the end of the model's turn, and the point where it
+# waits for a tool's result.
+STOP_TOKENS = (TURN_CLOSE, RESPONSE_OPEN)
+
+_SPECIAL_TEXT = re.compile(r"<[^<>\s]{1,40}>")  # the shape of every special token's text; membership decides
+_MAX_HELD = 48  # an unclosed "<" this close to the end may still become a special token: hold it
+_NAME = re.compile(r"\s*(?:call:)?\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
+_BARE_CALL = re.compile(r"call:([A-Za-z_][\w.\-]*)\{")
+_BARE_START = re.compile(r"(?<![\w.\-])call:")
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_MAX_CALL_CHARS = 1 << 20  # a "call" longer than this is not one: release it as content
+
+
+def is_gemma4(vocab: Collection[str]) -> bool:
+    """Gemma-4's protocol markers are all single tokens of this vocabulary."""
+    return all(marker in vocab for marker in MARKERS)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class Gemma4Protocol(ChatProtocol):
+    name = "gemma4"
+    supports_tools = True
+    keep_special_tokens = True
+
+    def __init__(self, special_tokens: Collection[str] = ()) -> None:
+        """`special_tokens`: the tokenizer's special-token texts, removed from content as skip_special_tokens would."""
+        self.special_tokens = frozenset(special_tokens) | frozenset(MARKERS) | {"<bos>", "<eos>", "<pad>"}
+
+    def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None,
+                      reasoning_effort: str | None = None) -> PromptInputs:
+        thinking = thinking_from(chat_template_kwargs, reasoning_effort)
+        converted = openai_messages(messages)
+        names_by_id: dict[str, str] = {}
+        for i, message in enumerate(converted):
+            for call in message.get("tool_calls") or ():
+                if isinstance(call.get("id"), str):
+                    names_by_id[call["id"]] = call["function"]["name"]
+            if message.get("role") == "tool":
+                converted[i] = _tool_message(message, names_by_id, i)
+        return PromptInputs(converted, _declared(tools), {**(chat_template_kwargs or {}), "enable_thinking": thinking},
+                            thinking=thinking)
+
+    def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True,
+               new_id: Callable[[], str] = call_id) -> Gemma4Parser:
+        return Gemma4Parser(tool_names=tool_names, parse_tool_calls=parse_tool_calls,
+                            special_tokens=self.special_tokens, new_id=new_id)
+
+
+def _tool_message(message: dict[str, Any], names_by_id: Mapping[str, str], index: int) -> dict[str, Any]:
+    call = message.get("tool_call_id")
+    name = message.get("name") or (names_by_id.get(call) if isinstance(call, str) else None)
+    if not name:
+        raise ProtocolError(f"messages[{index}]: tool_call_id {call!r} matches no earlier assistant tool call",
+                            f"messages[{index}].tool_call_id")
+    content = message.get("content", "")
+    if isinstance(content, list):  # text parts
+        content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+    if isinstance(content, str) and content.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(content)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            content = parsed
+    return {**message, "name": name, "content": content}
+
+
+def _declared(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    declared = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, Mapping):
+            raise ProtocolError(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ProtocolError(f"tools[{i}].function.name is required", f"tools[{i}].function.name")
+        declared.append({"type": "function", "function": dict(function)})
+    return declared
+
+
+# --------------------------------------------------------------------- Gemma's argument syntax
+
+
+class _Syntax(ValueError):
+    pass
+
+
+def parse_call(body: str, tool_names: Collection[str] = ()) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of `call:NAME{...}` (or `NAME{...}`), the whole body; None if it is not exactly one call."""
+    match = _NAME.match(body)
+    if match is None or (tool_names and match.group(1) not in tool_names):
+        return None
+    try:
+        arguments, end = _object(body, match.end())
+    except _Syntax:
+        return None
+    return (match.group(1), arguments) if not body[end:].strip() else None
+
+
+def parse_arguments(text: str) -> dict[str, Any]:
+    """`{key:value,...}` in Gemma's syntax as a dict; ValueError if it is not exactly that."""
+    arguments, end = _object(text, _skip(text, 0))
+    if text[end:].strip():
+        raise _Syntax(f"trailing text at {end}")
+    return arguments
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
+    if not text.startswith("{", i):
+        raise _Syntax(f"expected '{{' at {i}")
+    result: dict[str, Any] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        return result, i + 1
+    while True:
+        if text.startswith(QUOTE, i):
+            key, i = _string(text, i)
+        else:
+            match = re.compile(r"[^\s:{}\[\],<>]+").match(text, i)
+            if match is None:
+                raise _Syntax(f"expected a key at {i}")
+            key, i = match.group(), match.end()
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise _Syntax(f"expected ':' at {i}")
+        result[key], i = _value(text, _skip(text, i + 1))
+        i = _skip(text, i)
+        if text.startswith("}", i):
+            return result, i + 1
+        if not text.startswith(",", i):
+            raise _Syntax(f"expected ',' or '}}' at {i}")
+        i = _skip(text, i + 1)
+
+
+def _array(text: str, i: int) -> tuple[list[Any], int]:
+    items: list[Any] = []
+    i = _skip(text, i + 1)
+    if text.startswith("]", i):
+        return items, i + 1
+    while True:
+        item, i = _value(text, i)
+        items.append(item)
+        i = _skip(text, i)
+        if text.startswith("]", i):
+            return items, i + 1
+        if not text.startswith(",", i):
+            raise _Syntax(f"expected ',' or ']' at {i}")
+        i = _skip(text, i + 1)
+
+
+def _string(text: str, i: int) -> tuple[str, int]:
+    end = text.find(QUOTE, i + len(QUOTE))
+    if end < 0:
+        raise _Syntax(f"unterminated string at {i}")
+    return text[i + len(QUOTE):end], end + len(QUOTE)
+
+
+def _value(text: str, i: int) -> tuple[Any, int]:
+    if text.startswith(QUOTE, i):
+        return _string(text, i)
+    if text.startswith("{", i):
+        return _object(text, i)
+    if text.startswith("[", i):
+        return _array(text, i)
+    match = re.compile(r"[^,}\]<]+").match(text, i)
+    if match is None:
+        raise _Syntax(f"expected a value at {i}")
+    bare = match.group().strip()
+    if bare in ("true", "false", "null"):
+        return json.loads(bare), match.end()
+    if _NUMBER.fullmatch(bare):
+        number = json.loads(bare)
+        if math.isinf(number):  # JSON has no infinity: "1e999" is not an argument value we can pass on
+            raise _Syntax(f"number out of range at {i}")
+        return number, match.end()
+    if not bare or any(c in bare for c in "{[:\""):
+        raise _Syntax(f"unreadable value {bare!r} at {i}")
+    return bare, match.end()  # an unquoted string: unambiguous enough to keep
+
+
+def format_value(value: Any) -> str:
+    """A JSON value in Gemma's syntax (what the chat template writes; the inverse of the parser)."""
+    if isinstance(value, str):
+        return f"{QUOTE}{value}{QUOTE}"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{key}:{format_value(item)}" for key, item in sorted(value.items())) + "}"
+    return "[" + ",".join(format_value(item) for item in value) + "]"
+
+
+# --------------------------------------------------------------------- the streaming parser
+
+
+class Gemma4Parser(OutputParser):
+    def __init__(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True,
+                 special_tokens: Collection[str] = frozenset(MARKERS), new_id: Callable[[], str] = call_id) -> None:
+        self._tool_names = frozenset(tool_names)
+        self._tools = parse_tool_calls
+        self._special = frozenset(special_tokens) | frozenset(MARKERS)
+        self._new_id = new_id
+        self._buf = ""
+        self._mode = "content"  # content | header | reasoning | call
+        self._calls = 0
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._out_calls: list[ToolCallDelta] = []
+
+    def feed(self, text: str) -> Delta:
+        self._buf += text
+        self._drain(final=False)
+        return self._delta()
+
+    def finish(self) -> ParseEnd:
+        self._drain(final=True)
+        return ParseEnd(self._delta(), self._calls > 0)
+
+    # ------------------------------------------------------------- internals
+
+    def _delta(self) -> Delta:
+        delta = Delta("".join(self._content), "".join(self._reasoning), tuple(self._out_calls))
+        self._content, self._reasoning, self._out_calls = [], [], []
+        return delta
+
+    def _clean(self, text: str) -> str:
+        def replace(match: re.Match[str]) -> str:
+            token = match.group()
+            if token == QUOTE:
+                return '"'
+            return "" if token in self._special else token
+
+        return _SPECIAL_TEXT.sub(replace, text)
+
+    def _held_from(self, text: str) -> int:
+        """Where the part of `text` that may still be the start of a marker (or of a bare `call:`) begins."""
+        held = len(text)
+        lt = text.rfind("<")
+        if lt >= 0 and ">" not in text[lt:] and len(text) - lt <= _MAX_HELD:
+            held = lt
+        if self._tools and self._mode == "content":
+            for n in range(1, 5):  # "c", "ca", "cal", "call" at the end, standing where a bare call could start
+                start = len(text) - n
+                if start >= 0 and "call:"[:n] == text[start:] and (start == 0 or not _is_name_char(text[start - 1])):
+                    held = min(held, start)
+                    break
+        return held
+
+    def _emit_text(self, text: str) -> None:
+        if text:
+            (self._reasoning if self._mode == "reasoning" else self._content).append(self._clean(text))
+
+    def _emit_call(self, name: str, arguments: dict[str, Any]) -> None:
+        self._out_calls.append(ToolCallDelta(self._calls, self._new_id(), name,
+                                             json.dumps(arguments, ensure_ascii=False)))
+        self._calls += 1
+
+    def _drain(self, final: bool) -> None:
+        while self._buf:
+            before = (self._mode, len(self._buf))
+            {"content": self._drain_content, "header": self._drain_header, "reasoning": self._drain_reasoning,
+             "call": self._drain_call}[self._mode](final)
+            if (self._mode, len(self._buf)) == before:
+                break  # waiting for more text
+        if final and self._buf:  # nothing more will come: what is left is text
+            self._mode = "reasoning" if self._mode in ("header", "reasoning") else "content"
+            self._emit_text(self._buf)
+            self._buf = ""
+
+    def _next_event(self, patterns: Sequence[str], bare: bool) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for pattern in patterns:
+            at = self._buf.find(pattern)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, pattern)
+        if bare:
+            match = _BARE_START.search(self._buf)
+            if match and (best is None or match.start() < best[0]):
+                best = (match.start(), "call:")
+        return best
+
+    def _drain_content(self, final: bool) -> None:
+        patterns = [CHANNEL_OPEN, CHANNEL_CLOSE] + ([CALL_OPEN, CALL_CLOSE] if self._tools else [])
+        event = self._next_event(patterns, bare=self._tools)
+        if event is None:
+            cut = len(self._buf) if final else self._held_from(self._buf)
+            self._emit_text(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return
+        at, marker = event
+        self._emit_text(self._buf[:at])
+        rest = self._buf[at:]
+        if marker == CHANNEL_OPEN:
+            self._mode, self._buf = "header", rest[len(marker):]
+        elif marker == CALL_OPEN:
+            self._mode, self._buf = "call", rest[len(marker):]
+        elif marker in (CHANNEL_CLOSE, CALL_CLOSE):  # a closer with nothing open: the marker alone is dropped
+            self._buf = rest[len(marker):]
+        else:
+            self._bare_call(rest, final)
+
+    def _bare_call(self, rest: str, final: bool) -> None:
+        """`rest` starts with `call:` in content: a call whose `<|tool_call>` is missing, or just text."""
+        self._buf = rest
+        match = _BARE_CALL.match(rest)
+        if match is None:
+            if final or len(rest) > 5 + 128 or not _could_start_bare_call(rest):
+                self._emit_text("call:")
+                self._buf = rest[len("call:"):]
+            return
+        end = _closing_brace(rest, match.end() - 1)
+        if end is None:
+            if final or len(rest) > _MAX_CALL_CHARS:
+                self._emit_text("call:")
+                self._buf = rest[len("call:"):]
+            return
+        after = rest[end:]
+        tail = after.lstrip()
+        if tail.startswith(CALL_CLOSE):
+            closed = True
+        elif not final and CALL_CLOSE.startswith(tail):
+            return  # wait: the closing token may come next
+        else:
+            closed = False
+        ends_answer = not tail or tail.startswith(CALL_OPEN) or _BARE_START.match(tail) is not None
+        parsed = parse_call(rest[:end], self._tool_names)
+        declared = parsed is not None and parsed[0] in self._tool_names
+        if parsed is not None and (closed or (ends_answer and declared)):
+            self._emit_call(*parsed)
+            self._buf = tail[len(CALL_CLOSE):] if closed else tail
+        else:
+            self._emit_text("call:")
+            self._buf = rest[len("call:"):]
+
+    def _drain_header(self, final: bool) -> None:
+        newline, close = self._buf.find("\n"), self._buf.find(CHANNEL_CLOSE)
+        if close >= 0 and (newline < 0 or close < newline):  # no channel name line: the text is the thought
+            self._mode = "reasoning"
+            self._emit_text(self._buf[:close])
+            self._mode, self._buf = "content", self._buf[close + len(CHANNEL_CLOSE):]
+        elif newline >= 0:
+            self._mode, self._buf = "reasoning", self._buf[newline + 1:]
+        elif len(self._buf) > 64 or final:
+            self._mode = "reasoning"
+
+    def _drain_reasoning(self, final: bool) -> None:
+        event = self._next_event([CHANNEL_CLOSE] + ([CALL_OPEN] if self._tools else []), bare=False)
+        if event is None:
+            cut = len(self._buf) if final else self._held_from(self._buf)
+            self._emit_text(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return
+        at, marker = event
+        self._emit_text(self._buf[:at])
+        self._mode = "content" if marker == CHANNEL_CLOSE else "call"
+        self._buf = self._buf[at + len(marker):]
+
+    def _drain_call(self, final: bool) -> None:
+        close, reopen = self._buf.find(CALL_CLOSE), self._buf.find(CALL_OPEN)
+        if close >= 0 and (reopen < 0 or close < reopen):
+            body, self._buf = self._buf[:close], self._buf[close + len(CALL_CLOSE):]
+        elif reopen >= 0:  # the next call began before this one was closed
+            body, self._buf = self._buf[:reopen], self._buf[reopen:]
+        elif final or len(self._buf) > _MAX_CALL_CHARS:
+            body, self._buf = self._buf, ""
+        else:
+            return
+        self._mode = "content"
+        parsed = parse_call(body, self._tool_names)
+        if parsed is None:
+            self._emit_text(body)  # not a call (or cut short): the text comes back as content
+        else:
+            self._emit_call(*parsed)
+
+
+def _is_name_char(char: str) -> bool:
+    return char.isalnum() or char in "_.-"
+
+
+def _could_start_bare_call(text: str) -> bool:
+    """`text` (starting with "call:") may still grow into `call:NAME{`."""
+    return re.fullmatch(r"call:(?:[A-Za-z_][\w.\-]*)?", text) is not None
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """Index just past the brace closing the one at `start`, skipping `<|"|>` strings; None if not (yet) closed."""
+    depth, i = 0, start
+    while i < len(text):
+        if text.startswith(QUOTE, i):
+            end = text.find(QUOTE, i + len(QUOTE))
+            if end < 0:
+                return None
+            i = end + len(QUOTE)
+            continue
+        if text[i] in "{[":
+            depth += 1
+        elif text[i] in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
