@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from server.api.service import engine_error
 from server.engine import Engine
@@ -99,32 +100,55 @@ def test_a_token_fault_never_loses_the_token_before_it() -> None:
 
 
 def test_each_token_goes_out_once_the_next_step_is_submitted() -> None:
-    """Not while the next step's inputs are still built: the event loop would take the GIL from the device owner."""
-    prep_s, step_s = 0.03, 0.03
-    graph = SlowGraph(null_graph(), step_s)
-    inner_forward = graph.forward
-    submits: list[float] = []
+    """Not while the next step's inputs are still built (the event loop would take the GIL from the device owner),
+    and not after that step's device work either: while call k + 2 runs on the device, token k reaches the client.
 
-    def slow_prep(*args: object, **kwargs: object) -> object:
-        time.sleep(prep_s)  # the host builds this call's inputs
-        submits.append(time.monotonic())
-        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+    Waits on state both ways: each simulated device step holds until its token arrived (a token published only after
+    the call returned would time the step out), and each arrival records how many calls had built their inputs."""
+    tokens = 5
+    inner = null_graph()
+    built: list[int] = []  # calls whose inputs were ready (their on_submit ran), in order
+    arrived = [threading.Event() for _ in range(tokens)]
+    seen_during_step: list[bool] = []  # per decode call: did the token it carries arrive while the step ran?
 
-    graph.forward = slow_prep  # type: ignore[method-assign]
+    class Handshake(SlowGraph):
+        def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                    on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+            self.calls += 1
+            call = self.calls  # call 1 is the prefill (it yields token 0); call k + 2 carries token k out
 
-    async def arrivals() -> list[float]:
-        handle = engine.submit(greedy((2, 100, 200), 5))
-        return [time.monotonic() async for event in handle.events() if not isinstance(event, Finish)]
+            def submitted() -> None:
+                built.append(call)
+                if on_submit is not None:
+                    on_submit()
+
+            logits = self.inner.forward(embeds, positions, last_only=last_only, on_submit=submitted)
+            if call >= 2:  # the device step: the previous token must reach the client meanwhile
+                seen_during_step.append(arrived[call - 2].wait(10))
+            return logits
+
+    graph = Handshake(inner, 0.0)
+    built_at_arrival: list[int] = []
+
+    async def consume() -> None:
+        handle = engine.submit(greedy((2, 100, 200), tokens))
+        index = 0
+        async for event in handle.events():
+            if isinstance(event, Finish):
+                return
+            built_at_arrival.append(len(built))
+            arrived[index].set()
+            index += 1
 
     engine = started(lambda: graph)
     try:
-        times = asyncio.run(arrivals())
+        asyncio.run(consume())
     finally:
         engine.stop()
-    assert len(times) == 5 and len(submits) == 5  # prefill + 4 decode steps; the 5th token is never fed back
-    for token, arrived in enumerate(times[:-1]):
-        # token k rides on call k + 1: out after that call's inputs were ready, well before its device step ended
-        assert submits[token + 1] <= arrived < submits[token + 1] + step_s, (token, arrived - submits[token + 1])
+    assert graph.calls == tokens  # prefill + 4 decode steps; the 5th token is never fed back
+    assert seen_during_step == [True] * (tokens - 1), "a token went out only after the next device step"
+    for token, count in enumerate(built_at_arrival[:-1]):
+        assert count >= token + 2, f"token {token} went out before call {token + 2} had built its inputs"
 
 
 def test_a_stalled_graph_call_fails_its_request_and_health_recovers() -> None:
