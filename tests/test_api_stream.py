@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -167,14 +168,32 @@ def test_client_disconnect_frees_the_device_within_one_step(slow: tuple[LiveServ
 def test_a_queued_request_whose_client_leaves_never_runs(slow: tuple[LiveServer, SlowGraph]) -> None:
     live, graph = slow
     engine = live.engine
+    # A is held on the device until the server has seen B's client leave: however slow this machine is, A cannot
+    # finish first and hand the device to a B nobody has cancelled yet.
+    gate = threading.Event()
+    gate.set()
+    inner_forward = graph.forward
+
+    def gated(*args: object, **kwargs: object) -> object:
+        assert gate.wait(30), "the test never reopened the device"
+        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    graph.forward = gated  # type: ignore[method-assign]
     a_body = {"prompt": "A", "max_tokens": 20, "temperature": 0, "stream": True}
     b_body = {"prompt": "B", "max_tokens": 20, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=a_body, timeout=30) as a:
         lines = a.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
+        gate.clear()
         with httpx.stream("POST", f"{live.url}/v1/completions", json=b_body, timeout=30) as b:
             assert b.status_code == 200 and engine.queue_depth == 1
-        # B's client is gone while B waits; A runs to its end
+            (b_handle,) = [h for h in engine.in_flight() if h.started is None]
+        # B's client is gone while B waits; once the server has cancelled it, A runs to its end
+        deadline = time.monotonic() + 10
+        while not b_handle.cancelled.is_set():
+            assert time.monotonic() < deadline, "the server never noticed B's client leave"
+            time.sleep(0.01)
+        gate.set()
         a_data = [line for line in lines if line.startswith("data: ")]
         assert a_data[-1] == "data: [DONE]"
         calls_after_a = graph.calls
