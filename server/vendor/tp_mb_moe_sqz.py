@@ -414,8 +414,12 @@ class SelectiveExperts(DenseExperts):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:  # [N, H], [N, K], [N, K] -> [N, H]
-        # N is static in a traced graph, so each graph holds exactly one of the two paths.
-        if hidden_states.shape[0] > self.selective_tokens:
+        with warnings.catch_warnings():
+            # N is static in a traced graph, so each graph holds exactly one of the two paths: that torch.jit.trace
+            # freezes this comparison into a constant is the point, not a hazard.
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            tokens = int(hidden_states.shape[0])
+        if tokens > self.selective_tokens:
             return super().forward(hidden_states, top_k_index, top_k_weights)
         return self.coll.all_reduce(self.routed(hidden_states, top_k_index, top_k_weights))
 
@@ -1105,7 +1109,10 @@ def randomize(model: RecipeModel, seed: int = 0) -> None:
             p.zero_()  # DenseExperts.rank: rank 0 of 1
 
 
-def bench_experts(quant: str, steps: int, max_total: int = 512, bucket: int = 64, seed: int = 0) -> dict:
+def bench_experts(
+    quant: str, steps: int, max_total: int = 512, bucket: int = 64, seed: int = 0,
+    config: Mapping = BENCH_EXPERTS_CONFIG,
+) -> dict:
     """Trace the same random model twice (dense / selective experts), prefill both, then time decode steps.
 
     The two graphs run alternately on the same inputs, so load on a shared machine hits both alike; the median
@@ -1114,7 +1121,7 @@ def bench_experts(quant: str, steps: int, max_total: int = 512, bucket: int = 64
     import statistics
     import time
 
-    cfg = text_config_from_dict(BENCH_EXPERTS_CONFIG)
+    cfg = text_config_from_dict(config)
     models = {}
     for experts in EXPERT_MODES:
         models[experts] = build_model(cfg, Plan(quant=quant, max_total=max_total, experts=experts))
@@ -1145,7 +1152,7 @@ def bench_experts(quant: str, steps: int, max_total: int = 512, bucket: int = 64
     medians = {name: statistics.median(t) for name, t in times.items()}
     return {
         "kind": "measurement (CPU, this machine; the decode step of the CPU-traced graph)",
-        "config": {k: BENCH_EXPERTS_CONFIG[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+        "config": {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                           "num_experts", "top_k_experts", "moe_intermediate_size")},
         "layer_types": {"sliding": cfg.layer_types.count("sliding_attention"),
                         "global": cfg.layer_types.count("full_attention")},
@@ -1392,6 +1399,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bench-experts", action="store_true",
                    help="measure the CPU-traced decode step, dense vs selective experts, on a 128-expert config; exit")
     p.add_argument("--steps", type=int, default=16, help="with --bench-experts: timed decode steps per graph")
+    p.add_argument("--threads", type=int, default=1,
+                   help="with --bench-experts: torch CPU threads (1: steadiest on a shared machine)")
     p.add_argument("--json", action="store_true", help="with a report mode: last line is one JSON object")
     args = p.parse_args(argv)
     if args.residency or args.roofline:
@@ -1420,6 +1429,7 @@ def main(argv: list[str] | None = None) -> int:
         print_roofline(report, args.json)
         return 0
     if args.bench_experts:
+        torch.set_num_threads(args.threads)
         print_bench_experts(bench_experts(args.quant, args.steps), args.json)
         return 0
 
