@@ -39,6 +39,10 @@ Usage:
     python tp_mb_moe_sqz.py --checkpoint HF_DIR --out DIR --target neuron|cpu [--tp 2] [--max-total 512]
                             [--prefill-bucket 128] [--quant int8|none]
     python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--json]
+    python tp_mb_moe_sqz.py --roofline --config CONFIG_JSON [--tp 2] [--attn-quant int8|none] [--json]  # a projection
+    python tp_mb_moe_sqz.py --bench-experts [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
+                 --attn-quant none|int8 (attention projections per-channel int8 as well).
 """
 
 from __future__ import annotations
@@ -1406,9 +1410,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.residency or args.roofline:
         if args.config is None:
             p.error("--residency and --roofline need --config CONFIG_JSON")
-    elif args.bench_experts:
-        pass
-    else:
+    elif not args.bench_experts:  # a build
         if args.checkpoint is None or args.out is None:
             p.error("--checkpoint and --out are required (or use --residency)")
         if not 1 < args.prefill_bucket <= args.max_total:
