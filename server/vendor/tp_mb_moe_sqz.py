@@ -1411,7 +1411,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.config is None:
             p.error("--residency and --roofline need --config CONFIG_JSON")
         if args.residency and (args.experts, args.attn_quant) != ("dense", "none"):
-            p.error("--residency accounts the published layout only; --roofline takes --experts/--attn-quant")
+            p.error("--residency accounts dense experts and bf16 attention only; --roofline covers both paths and --attn-quant")
     elif not args.bench_experts:  # a build
         if args.checkpoint is None or args.out is None:
             p.error("--checkpoint and --out are required (or use --residency)")
