@@ -39,6 +39,10 @@ Usage:
     python tp_mb_moe_sqz.py --checkpoint HF_DIR --out DIR --target neuron|cpu [--tp 2] [--max-total 512]
                             [--prefill-bucket 128] [--quant int8|none]
     python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--json]
+    python tp_mb_moe_sqz.py --roofline --config CONFIG_JSON [--tp 2] [--attn-quant int8|none] [--json]  # a projection
+    python tp_mb_moe_sqz.py --bench-experts [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
+                 --attn-quant none|int8 (attention projections per-channel int8 as well).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ CFG_FILES = (
 )
 COMPONENTS = ("experts", "attention", "shared_mlp", "lm_head", "other", "kv_cache")
 QUANT_MODES = ("int8", "none")
+EXPERT_MODES = ("dense", "selective")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -171,11 +176,15 @@ class Collectives:
 LOCAL = Collectives()
 
 
-def mark_parallel(param: nn.Parameter, dim: int, tp: int) -> None:
-    """Tag a parameter the way NxD's checkpoint sharder reads it: split evenly along ``dim`` into ``tp`` chunks."""
+def mark_parallel(param: nn.Parameter, dim: int, tp: int, stride: int = 1) -> None:
+    """Tag a parameter the way NxD's checkpoint sharder reads it: split evenly along ``dim`` into ``tp`` chunks.
+
+    With ``stride`` s the dim is cut into tp*s equal pieces and rank r takes pieces r, r+tp, ... (NxD's
+    create_local_weight): stride 2 on a fused [gate; up] dim gives each rank its slice of gate and of up.
+    """
     param.tensor_model_parallel = True
     param.partition_dim = dim
-    param.partition_stride = 1
+    param.partition_stride = stride
     param.num_partitions = tp
 
 
@@ -184,7 +193,7 @@ def is_parallel(param: torch.Tensor) -> bool:
 
 
 def shard_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """One rank's view of a full (unsharded) checkpoint; the CPU twin of NxD's get_sharded_checkpoint (stride 1)."""
+    """One rank's view of a full (unsharded) checkpoint; the CPU twin of NxD's get_sharded_checkpoint."""
     local: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if name not in full:
@@ -192,9 +201,10 @@ def shard_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], rank: i
         tensor = full[name]
         if is_parallel(param):
             dim = param.partition_dim
-            if tensor.shape[dim] % tp:
+            if tensor.shape[dim] % (tp * param.partition_stride):
                 raise ValueError(f"{name}: dim {dim} of {tuple(tensor.shape)} does not split into {tp}")
-            tensor = torch.chunk(tensor, tp, dim=dim)[rank].contiguous()
+            pieces = torch.chunk(tensor, tp * param.partition_stride, dim=dim)
+            tensor = torch.cat(pieces[rank::tp], dim=dim).contiguous()
         local[name] = tensor
     return local
 
@@ -344,6 +354,118 @@ class DenseExperts(nn.Module):
         return f"experts={self.num_local}/{self.num_experts}, int8={self.quant}"
 
 
+class SelectiveExperts(DenseExperts):
+    """The same experts, split by intermediate dim over ranks; at decode only the routed experts are read.
+
+    Dense weighting reads all 128 experts per token to use 8 of them. Here, when a graph's token count N is at
+    most ``selective_tokens`` (fixed per graph at trace time: decode is N=1; the limit comes from the roofline,
+    ``selective_token_limit``), the graph gathers the N*K routed experts' int8 rows and per-channel scales
+    (``weight[top_k_index]``, static shape [N, K, ...]) and runs only those; above it (prefill buckets) the
+    inherited dense path runs on the same weights.
+
+    TP split: every rank holds every expert's slice of the intermediate dim I (gate and up rows [I/tp*r, ...)
+    of the fused [gate; up] dim via partition stride 2, down columns likewise), so each rank gathers its half
+    of all K experts: K*3*H*I/tp bytes per token on every rank, whatever the routing. Splitting by expert
+    instead would need a static K-slot gather on each rank (all K experts may sit on one rank): K*3*H*I per
+    rank, twice as much (``--roofline`` prints both). Down-projection scales are per output channel (H), so
+    every rank keeps them whole and scales its partial sum before the all-reduce, as row-parallel int8 does.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        top_k: int,
+        selective_tokens: int,
+        tp: int,
+        quant: bool,
+        dtype: torch.dtype,
+        coll: Collectives,
+    ) -> None:
+        nn.Module.__init__(self)  # DenseExperts' by-expert parameters are not built: this layout differs
+        if intermediate_size % tp:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} does not split over tp={tp}")
+        self.num_experts = self.num_local = num_experts  # every rank holds every expert (its slice of I)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.top_k, self.selective_tokens = top_k, selective_tokens
+        self.act_fn, self.quant, self.coll = act_fn, quant, coll
+        e, h, i = num_experts, hidden_size, intermediate_size // tp
+
+        def param(*shape: int, dt: torch.dtype, dim: int | None = None, stride: int = 1) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
+            if dim is not None:
+                mark_parallel(p, dim, tp, stride)
+            return p
+
+        if quant:
+            self.gate_up_qweight = param(e, 2 * i, h, dt=torch.int8, dim=1, stride=2)  # [E, 2I/tp, H]: gate_r; up_r
+            self.gate_up_scale = param(e, 2 * i, dt=torch.float32, dim=1, stride=2)  # [E, 2I/tp]
+            self.down_qweight = param(e, h, i, dt=torch.int8, dim=2)  # [E, H, I/tp]
+            self.down_scale = param(e, h, dt=torch.float32)  # [E, H], whole on every rank
+        else:
+            self.gate_up_proj = param(e, 2 * i, h, dt=dtype, dim=1, stride=2)  # [E, 2I/tp, H]
+            self.down_proj = param(e, h, i, dt=dtype, dim=2)  # [E, H, I/tp]
+
+    def local_routing_weights(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """[N, K] expert ids + weights -> [N, E] dense weights (0 if not chosen); every expert is local here."""
+        slots = torch.arange(self.num_experts, device=top_k_index.device, dtype=top_k_index.dtype)  # [E]
+        hit = (top_k_index.unsqueeze(-1) == slots).to(top_k_weights.dtype)  # [N, K, E]
+        return (hit * top_k_weights.unsqueeze(-1)).sum(dim=1)  # [N, E]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:  # [N, H], [N, K], [N, K] -> [N, H]
+        with warnings.catch_warnings():
+            # N is static in a traced graph, so each graph holds exactly one of the two paths: that torch.jit.trace
+            # freezes this comparison into a constant is the point, not a hazard.
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            tokens = int(hidden_states.shape[0])
+        if tokens > self.selective_tokens:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        return self.coll.all_reduce(self.routed(hidden_states, top_k_index, top_k_weights))
+
+    def routed(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:  # [N, H], [N, K], [N, K] -> this rank's partial [N, H]
+        """Gather the routed experts' weights (this rank's slice of I) and run only those."""
+        dtype = hidden_states.dtype
+        weights = top_k_weights.to(dtype)  # [N, K]
+        if self.quant:
+            gate_up_w = self.gate_up_qweight[top_k_index].to(dtype)  # [N, K, 2I_l, H]: the only expert rows read
+            gate_up = torch.einsum("nh,nkoh->nko", hidden_states, gate_up_w)  # [N, K, 2I_l]
+            gate_up = (gate_up.float() * self.gate_up_scale[top_k_index]).to(dtype)
+        else:
+            gate_up = torch.einsum("nh,nkoh->nko", hidden_states, self.gate_up_proj[top_k_index])  # [N, K, 2I_l]
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, K, I_l] each
+        inner = self.act_fn(gate) * up * weights.unsqueeze(-1)  # [N, K, I_l]
+        if self.quant:
+            down_w = self.down_qweight[top_k_index].to(dtype)  # [N, K, H, I_l]
+            per_expert = torch.einsum("nki,nkhi->nkh", inner, down_w)  # [N, K, H]
+            return (per_expert.float() * self.down_scale[top_k_index]).sum(dim=1).to(dtype)  # [N, H]
+        return torch.einsum("nki,nkhi->nh", inner, self.down_proj[top_k_index])  # [N, H]
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, selective up to {self.selective_tokens} tokens, "
+            f"int8={self.quant}"
+        )
+
+
+def expert_module(cfg, plan: Plan, act_fn: Callable[[torch.Tensor], torch.Tensor], coll: Collectives) -> DenseExperts:
+    """The MoE experts block the plan asks for: dense for every graph, or selective where the roofline says so."""
+    shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, act_fn)
+    common = dict(tp=plan.tp, quant=plan.int8, dtype=plan.dtype, coll=coll)
+    if plan.experts == "dense":
+        return DenseExperts(*shape, **common)
+    if plan.experts == "selective":
+        limit = selective_token_limit(cfg, plan.tp, plan.quant)
+        return SelectiveExperts(*shape, top_k=cfg.top_k_experts, selective_tokens=limit, **common)
+    raise ValueError(f"experts must be one of {EXPERT_MODES}, got {plan.experts!r}")
+
+
 class SlotCache:
     """The ``cache`` object HF's attention calls: writes this step's K/V into the slot tensors via the one-hot.
 
@@ -385,12 +507,20 @@ class Plan:
     max_total: int = 512
     kv_as_params: bool = False  # NxD aliases parameters (device states); CPU keeps plain buffers
     inplace_kv: bool = True  # CPU: update the buffers in the graph; Neuron: return them, the alias writes back
+    experts: str = "dense"  # "selective": decode reads only the routed experts (SelectiveExperts)
+    attn_quant: str = "none"  # "int8": attention projections per-channel int8 too
 
     @property
     def int8(self) -> bool:
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {self.quant!r}")
         return self.quant == "int8"
+
+    @property
+    def attn_int8(self) -> bool:
+        if self.attn_quant not in QUANT_MODES:
+            raise ValueError(f"attn_quant must be one of {QUANT_MODES}, got {self.attn_quant!r}")
+        return self.attn_quant == "int8"
 
 
 class RecipeModel(nn.Module):
@@ -438,11 +568,11 @@ class RecipeModel(nn.Module):
             # Sliding layers (8 kv heads) split heads over ranks; global ones (2 kv heads) stay whole on every rank.
             sharded = attn.is_sliding and tp > 1
             kv_heads = attn.k_proj.out_features // attn.head_dim
-            attn.q_proj = linear(attn.q_proj, "col" if sharded else "replicated", quant=False)
-            attn.k_proj = linear(attn.k_proj, "col" if sharded else "replicated", quant=False)
+            attn.q_proj = linear(attn.q_proj, "col" if sharded else "replicated", quant=plan.attn_int8)
+            attn.k_proj = linear(attn.k_proj, "col" if sharded else "replicated", quant=plan.attn_int8)
             if attn.v_proj is not None:  # attention_k_eq_v global layers reuse the k projection for v
-                attn.v_proj = linear(attn.v_proj, "col" if sharded else "replicated", quant=False)
-            attn.o_proj = linear(attn.o_proj, "row" if sharded else "replicated", quant=False)
+                attn.v_proj = linear(attn.v_proj, "col" if sharded else "replicated", quant=plan.attn_int8)
+            attn.o_proj = linear(attn.o_proj, "row" if sharded else "replicated", quant=plan.attn_int8)
             local_kv = kv_heads // tp if sharded else kv_heads
             for name in ("k_cache", "v_cache"):
                 slots = torch.zeros(1, local_kv, plan.max_total, attn.head_dim, dtype=dtype)  # [1, kvh_l, MAX, D]
@@ -456,16 +586,7 @@ class RecipeModel(nn.Module):
             mlp.gate_proj = linear(mlp.gate_proj, "col", quant=int8)
             mlp.up_proj = linear(mlp.up_proj, "col", quant=int8)
             mlp.down_proj = linear(mlp.down_proj, "row", quant=int8)
-            layer.experts = DenseExperts(
-                cfg.num_experts,
-                cfg.hidden_size,
-                cfg.moe_intermediate_size,
-                ACT2FN[cfg.hidden_activation],
-                tp=tp,
-                quant=int8,
-                dtype=dtype,
-                coll=coll,
-            )
+            layer.experts = expert_module(cfg, plan, ACT2FN[cfg.hidden_activation], coll)
             # layer_scalar is a buffer in HF, and to NxD a buffer is not a checkpoint weight: it is traced with the
             # value the module was built with (1.0 -> noise out, as the 26B build found). As a parameter it is
             # loaded from the checkpoint like every other weight.
@@ -570,7 +691,7 @@ def build_device_module(text_config, plan: Plan, coll: Collectives = LOCAL) -> R
 
     model = build_model(text_config, plan, coll, device="meta")
     # meta -> cpu swaps in new Parameter objects, dropping the TP tags NxD's sharder reads: put them back.
-    tags = {n: (p.partition_dim, p.num_partitions) for n, p in model.named_parameters() if is_parallel(p)}
+    tags = {n: (p.partition_dim, p.num_partitions, p.partition_stride) for n, p in model.named_parameters() if is_parallel(p)}
     model.to_empty(device="cpu")
     for name, p in model.named_parameters():
         if name in tags and not is_parallel(p):
@@ -769,6 +890,302 @@ def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: in
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Roofline: bytes read per decoded token, and the decode rate they project to (a projection, not a measurement)
+# --------------------------------------------------------------------------------------------------------------------
+
+CHIP_HBM_BYTES_PER_S = 820 * 2**30  # Inferentia2 chip (both NeuronCore-v2): 820 GiB/s of HBM bandwidth
+CHIP_BF16_FLOPS = 190e12  # Inferentia2 chip: 190 BF16 TFLOPS (the int8 weights are widened to bf16 for the matmul)
+# The published xlarge build: dense experts, TP=2, int8 experts/shared MLP/lm_head, bf16 attention, MAX=512, and the
+# decode rate it reached on the device. Its efficiency (bytes it reads per token x 6 / 820 GiB/s) is the yardstick.
+PUBLISHED_TOK_S = 6.0
+PUBLISHED_PLAN = dict(tp=2, quant="int8", attn_quant="none", experts="dense", max_total=512)
+# The v1 contract's KV traffic per decoded token: the one-hot blend reads and writes every slot, attention reads it.
+V1_KV_PASSES = 3
+
+
+def expert_path_seconds(cfg, tp: int, weight_bytes: int, tokens: int, path: str) -> float:
+    """Roofline time of one layer's experts on one rank for ``tokens`` tokens: max(bytes / bw, flops / peak).
+
+    Intermediate split (every rank holds 1/tp of every expert). Dense reads all E slices once and runs every token
+    through all of them; selective gathers one slice per (token, routed expert), N*K of them (no dedup: static
+    shapes), and runs only those.
+    """
+    h, i, e, k = cfg.hidden_size, cfg.moe_intermediate_size // tp, cfg.num_experts, cfg.top_k_experts
+    scale_bytes = (2 * i + h) * 4 if weight_bytes == 1 else 0  # f32 per-channel scales of an int8 expert
+    slice_bytes = 3 * h * i * weight_bytes + scale_bytes  # one expert's gate, up and down on this rank
+    slices = e if path == "dense" else tokens * k
+    macs = tokens * (e if path == "dense" else k) * 3 * h * i
+    return max(slices * slice_bytes / (CHIP_HBM_BYTES_PER_S / tp), 2 * macs / (CHIP_BF16_FLOPS / tp))
+
+
+def selective_token_limit(cfg, tp: int, quant: str, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The largest token count at which gathering the routed experts is cheaper than dense (0: never).
+
+    Decided by the roofline since no device is here. For the 26B (E=128, K=8) it is 15 tokens (N*K < E: past that
+    the gathers read more than all experts once), so decode (N=1) is selective and a 128-token prefill is dense.
+    """
+    weight_bytes = 1 if quant == "int8" else torch.finfo(dtype).bits // 8
+    limit = 0
+    for tokens in range(1, cfg.num_experts + 1):
+        selective = expert_path_seconds(cfg, tp, weight_bytes, tokens, "selective")
+        if selective < expert_path_seconds(cfg, tp, weight_bytes, tokens, "dense"):
+            limit = tokens
+    return limit
+
+
+def bytes_read_per_token(model: RecipeModel, tokens: int = 1) -> dict[str, int]:
+    """Device bytes one rank reads for one graph call of ``tokens`` tokens, per component (weights + v1 KV)."""
+    states = set(model.state_names)
+    sizes = dict.fromkeys(COMPONENTS, 0)
+    for prefix, module in model.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for short, t in tensors:
+            name = f"{prefix}.{short}" if prefix else short
+            component = component_of(name, states)
+            nbytes = t.numel() * t.element_size()
+            if isinstance(module, SelectiveExperts) and tokens <= module.selective_tokens:
+                nbytes = nbytes * tokens * module.top_k // module.num_experts  # N*K gathered expert slices
+            if component == "kv_cache":
+                nbytes *= V1_KV_PASSES
+            sizes[component] += nbytes
+    sizes["total"] = sum(sizes[c] for c in COMPONENTS)
+    return sizes
+
+
+def _max_count_expectation(experts: int, top_k: int, tp: int) -> float:
+    """E[max over ranks of how many of a token's top_k experts a rank holds], experts split evenly by rank.
+
+    Uniform routing (every top_k subset equally likely): P(max <= m) = [z^K] (sum_{j<=m} C(E/tp, j) z^j)^tp / C(E, K).
+    """
+    from math import comb
+
+    per_rank = experts // tp
+    total = comb(experts, top_k)
+
+    def at_most(m: int) -> float:
+        poly = [1]
+        factor = [comb(per_rank, j) for j in range(min(m, per_rank) + 1)]
+        for _ in range(tp):
+            poly = [sum(poly[a] * factor[n - a] for a in range(len(poly)) if 0 <= n - a < len(factor))
+                    for n in range(len(poly) + len(factor) - 1)]
+        return (poly[top_k] if top_k < len(poly) else 0) / total
+
+    return sum(1.0 - at_most(m) for m in range(top_k))  # E[max] = sum_m P(max > m)
+
+
+def tp_split_comparison(cfg, tp: int, quant: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Expert bytes per rank per decoded token, all layers: split by expert vs split by intermediate dim."""
+    weight_bytes = 1 if quant == "int8" else torch.finfo(dtype).bits // 8
+    h, i, k, layers = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k_experts, cfg.num_hidden_layers
+    scales = (2 * i + h) * 4 if weight_bytes == 1 else 0
+    expert = (3 * h * i * weight_bytes + scales) * layers  # one whole expert, every layer
+    expected_max = _max_count_expectation(cfg.num_experts, k, tp)
+    return {
+        "by_expert_static_gather": {"worst": k * expert, "expected": k * expert,
+                                    "why": "a static gather must hold all K experts on every rank (all may be local)"},
+        "by_expert_ideal_dynamic": {"worst": k * expert, "expected": round(expected_max * expert),
+                                    "why": "only the local experts, but the step waits for the rank holding most "
+                                           "(not expressible with static shapes)"},
+        "by_intermediate": {"worst": k * expert // tp, "expected": k * expert // tp,
+                            "why": "every rank gathers its 1/tp of all K experts, whatever the routing"},
+        "chosen": "by_intermediate",
+    }
+
+
+def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, bucket: int) -> dict:
+    """Per-rank bytes per decoded token by component, dense and selective, and the decode rates they project to."""
+
+    def model_for(**overrides) -> RecipeModel:
+        fields = dict(tp=tp, quant=quant, attn_quant=attn_quant, experts="dense", max_total=max_total) | overrides
+        return build_model(text_config, Plan(dtype=torch.bfloat16, kv_as_params=True, inplace_kv=False, **fields),
+                           device="meta")
+
+    published_bytes = bytes_read_per_token(model_for(**PUBLISHED_PLAN))["total"] * PUBLISHED_PLAN["tp"]
+    efficiency = PUBLISHED_TOK_S * published_bytes / CHIP_HBM_BYTES_PER_S
+
+    def variant(experts: str) -> dict:
+        sizes = bytes_read_per_token(model_for(experts=experts))
+        chip = sizes["total"] * tp
+        ceiling = CHIP_HBM_BYTES_PER_S / chip
+        return {
+            "bytes_per_rank": sizes,
+            "bytes_per_token_chip": chip,
+            "projected_tok_s_at_820_gib_s": round(ceiling, 1),
+            "projected_tok_s_at_published_efficiency": round(ceiling * efficiency, 1),
+        }
+
+    limit = selective_token_limit(text_config, tp, quant)
+    return {
+        "kind": "projection (roofline from the config; not a measurement)",
+        "tp": tp,
+        "quant": quant,
+        "attn_quant": attn_quant,
+        "max_total": max_total,
+        "kv_model": f"v1 contract at MAX={max_total}: every slot read and written by the blend, read by attention",
+        "chip": {"hbm_bytes_per_s": CHIP_HBM_BYTES_PER_S, "bf16_flops": CHIP_BF16_FLOPS},
+        "published": {"tok_s_measured": PUBLISHED_TOK_S, "plan": PUBLISHED_PLAN,
+                      "bytes_per_token_chip": published_bytes, "efficiency": round(efficiency, 4)},
+        "dense": variant("dense"),
+        "selective": variant("selective"),
+        "selective_max_tokens": limit,
+        "prefill_bucket": bucket,
+        "prefill_experts": "selective" if bucket <= limit else "dense",
+        "tp_split": tp_split_comparison(text_config, tp, quant),
+    }
+
+
+def print_roofline(report: Mapping, as_json: bool) -> None:
+    gb = 1e9
+    print(f"PROJECTION (roofline, not a measurement): bytes read per rank per decoded token, tp={report['tp']}, "
+          f"quant={report['quant']}, attention={report['attn_quant']}, {report['kv_model']}")
+    print(f"  {'component':<11} {'dense GB':>9} {'selective GB':>13}")
+    for comp in (*COMPONENTS, "total"):
+        d, s = report["dense"]["bytes_per_rank"][comp], report["selective"]["bytes_per_rank"][comp]
+        print(f"  {comp:<11} {d / gb:9.3f} {s / gb:13.3f}")
+    pub = report["published"]
+    print(f"  published dense build: {pub['tok_s_measured']} tok/s measured on {pub['bytes_per_token_chip'] / gb:.2f} GB "
+          f"per token chip-wide = {100 * pub['efficiency']:.1f}% of 820 GiB/s")
+    for name in ("dense", "selective"):
+        v = report[name]
+        print(f"  projected {name:<9}: {v['bytes_per_token_chip'] / gb:6.2f} GB/token chip-wide -> "
+              f"{v['projected_tok_s_at_820_gib_s']:6.1f} tok/s at 820 GiB/s, "
+              f"{v['projected_tok_s_at_published_efficiency']:5.1f} tok/s at the published efficiency (projection)")
+    print(f"  experts path per graph: selective up to {report['selective_max_tokens']} tokens; "
+          f"prefill bucket {report['prefill_bucket']} -> {report['prefill_experts']}")
+    for name, row in report["tp_split"].items():
+        if isinstance(row, dict):
+            print(f"  tp split {name:<24} experts/rank/token worst {row['worst'] / gb:.3f} GB, "
+                  f"expected {row['expected'] / gb:.3f} GB")
+    if as_json:
+        print(json.dumps(report))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# --bench-experts: the CPU-traced decode step, dense vs selective experts, measured side by side in one run
+# --------------------------------------------------------------------------------------------------------------------
+
+# The 26B's routing (128 experts, top-8) and vocabulary at a width a CPU runs: experts are ~85% of a dense decode
+# step's multiply-adds here, as they are (~85%) in the 26B.
+BENCH_EXPERTS_CONFIG = dict(
+    vocab_size=262144,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    global_head_dim=128,
+    num_global_key_value_heads=1,
+    sliding_window=128,
+    layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+    enable_moe_block=True,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=512,
+    attention_k_eq_v=True,
+    final_logit_softcapping=30.0,
+    hidden_size_per_layer_input=0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
+
+@torch.no_grad()
+def randomize(model: RecipeModel, seed: int = 0) -> None:
+    """Random weights of a sane scale (unit-variance activations), int8 ones on the full [-127, 127] range."""
+    gen = torch.Generator().manual_seed(seed)
+    states = set(model.state_names)
+    for name, p in model.named_parameters():
+        if name in states:
+            continue
+        prefix, short = name.rsplit(".", 1) if "." in name else ("", name)
+        owner = model.get_submodule(prefix)
+        if p.dtype == torch.int8:
+            p.copy_(torch.randint(-127, 128, p.shape, generator=gen, dtype=torch.int8))
+        elif isinstance(owner, (ShardLinear, DenseExperts)) and short in owner.keep_f32:
+            fan_in = getattr(owner, short.replace("scale", "qweight")).shape[-1]
+            p.fill_(1.0 / (73.3 * fan_in**0.5))  # uniform int8 has std ~73.3: rows of std 1/sqrt(fan_in)
+        elif p.is_floating_point() and p.ndim >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        elif p.is_floating_point():
+            p.fill_(1.0)  # norms, layer scalars, router scales
+        else:
+            p.zero_()  # DenseExperts.rank: rank 0 of 1
+
+
+def bench_experts(
+    quant: str, steps: int, max_total: int = 512, bucket: int = 64, seed: int = 0,
+    config: Mapping = BENCH_EXPERTS_CONFIG,
+) -> dict:
+    """Trace the same random model twice (dense / selective experts), prefill both, then time decode steps.
+
+    The two graphs run alternately on the same inputs, so load on a shared machine hits both alike; the median
+    step is reported. Their logits are compared too: a fast wrong graph would be no result.
+    """
+    import statistics
+    import time
+
+    cfg = text_config_from_dict(config)
+    models = {}
+    for experts in EXPERT_MODES:
+        models[experts] = build_model(cfg, Plan(quant=quant, max_total=max_total, experts=experts))
+    randomize(models["dense"], seed)
+    shared = {k: v for k, v in models["dense"].state_dict().items() if not k.endswith("experts.rank")}
+    missing, unexpected = models["selective"].load_state_dict(shared, strict=False)
+    assert not unexpected and not [m for m in missing if m not in set(models["selective"].state_names)], missing
+    graphs = {name: trace_cpu(model, cfg, bucket) for name, model in models.items()}
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    embeds = torch.randn(1, bucket + steps + 2, cfg.hidden_size, generator=gen)  # [1, T_all, H]
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    worst = 0.0
+    with torch.no_grad():
+        prefill = contract_inputs(embeds[:, :bucket], torch.arange(bucket)[None], max_total, cfg.sliding_window)
+        for graph in graphs.values():
+            graph(*prefill)
+        for step in range(steps + 2):  # the first two steps warm up (allocator, first-call paths) and are not timed
+            pos = bucket + step
+            inputs = contract_inputs(embeds[:, pos : pos + 1], torch.tensor([[pos]]), max_total, cfg.sliding_window)
+            logits = {}
+            for name, graph in graphs.items():
+                start = time.perf_counter()
+                logits[name] = graph(*inputs)[0]
+                if step >= 2:
+                    times[name].append(time.perf_counter() - start)
+            worst = max(worst, float((logits["dense"] - logits["selective"]).abs().max()))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "kind": "measurement (CPU, this machine; the decode step of the CPU-traced graph)",
+        "config": {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                          "num_experts", "top_k_experts", "moe_intermediate_size")},
+        "layer_types": {"sliding": cfg.layer_types.count("sliding_attention"),
+                        "global": cfg.layer_types.count("full_attention")},
+        "quant": quant,
+        "max_total": max_total,
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "dense_ms": round(1e3 * medians["dense"], 2),
+        "selective_ms": round(1e3 * medians["selective"], 2),
+        "dense_ms_all": [round(1e3 * t, 2) for t in times["dense"]],
+        "selective_ms_all": [round(1e3 * t, 2) for t in times["selective"]],
+        "speedup": round(medians["dense"] / medians["selective"], 2),
+        "max_abs_logit_diff": worst,
+    }
+
+
+def print_bench_experts(result: Mapping, as_json: bool) -> None:
+    c = result["config"]
+    print(f"MEASURED on this CPU ({result['threads']} threads), decode step of the traced graph, quant={result['quant']}: "
+          f"vocab {c['vocab_size']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+          f"{c['num_experts']} experts of {c['moe_intermediate_size']}, top-{c['top_k_experts']}")
+    print(f"  dense     {result['dense_ms']:9.2f} ms/step (median of {result['steps']})")
+    print(f"  selective {result['selective_ms']:9.2f} ms/step")
+    print(f"  speedup   {result['speedup']:9.2f}x   (max |dense - selective| logit {result['max_abs_logit_diff']:.2e})")
+    if as_json:
+        print(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Artifacts shared by both targets
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -852,7 +1269,7 @@ def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path
     dtype = DTYPES[args.dtype or "float32"]
     if args.tp != 1:
         print(f"note: --target cpu runs on one rank; tp {args.tp} -> 1 (the split is exercised by the tests)")
-    plan = Plan(tp=1, quant=args.quant, dtype=dtype, max_total=args.max_total)
+    plan = Plan(tp=1, quant=args.quant, dtype=dtype, max_total=args.max_total, experts=args.experts, attn_quant=args.attn_quant)
     model = build_model(cfg, plan)
     load_rank(model, convert_checkpoint(reader, model))
 
@@ -985,7 +1402,8 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         gather_last=mappings.gather_from_tensor_model_parallel_region,
     )
     dtype = DTYPES[args.dtype or "bfloat16"]
-    plan = Plan(tp=args.tp, quant=args.quant, dtype=dtype, max_total=args.max_total, kv_as_params=True, inplace_kv=False)
+    plan = Plan(tp=args.tp, quant=args.quant, dtype=dtype, max_total=args.max_total, kv_as_params=True, inplace_kv=False,
+                experts=args.experts, attn_quant=args.attn_quant)
 
     class Instance(BaseModelInstance):
         """Builds the module per key and aliases its KV parameters to outputs 1.. (device-resident states)."""
@@ -1055,6 +1473,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-total", type=int, default=512, help="KV slots (MAX)")
     p.add_argument("--prefill-bucket", type=int, default=128, help="prefill chunk length (BUCKET)")
     p.add_argument("--quant", choices=QUANT_MODES, default="int8")
+    p.add_argument("--experts", choices=EXPERT_MODES, default="dense",
+                   help="selective: graphs of few tokens (decode) read only the routed experts (see --roofline)")
+    p.add_argument("--attn-quant", choices=QUANT_MODES, default="none", help="int8: attention projections too")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
     p.add_argument("--compiler-args", default=None,
                    help="neuronx-cc flags (default: NxD ModelBuilder's, --auto-cast=none --model-type=transformer -O1)")
@@ -1062,12 +1483,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--target neuron: keep OUT/compiler_workdir (sharded weights + NEFFs, ~26.7 GB for the 26B)")
     p.add_argument("--residency", action="store_true", help="print per-rank device memory by component and exit")
     p.add_argument("--config", type=Path, help="config.json for --residency")
-    p.add_argument("--json", action="store_true", help="with --residency: last line is one JSON object of bytes")
+    p.add_argument("--roofline", action="store_true",
+                   help="print per-rank bytes read per decoded token, dense vs selective, and projected tok/s; exit")
+    p.add_argument("--bench-experts", action="store_true",
+                   help="measure the CPU-traced decode step, dense vs selective experts, on a 128-expert config; exit")
+    p.add_argument("--steps", type=int, default=16, help="with --bench-experts: timed decode steps per graph")
+    p.add_argument("--threads", type=int, default=1,
+                   help="with --bench-experts: torch CPU threads (1: steadiest on a shared machine)")
+    p.add_argument("--json", action="store_true", help="with a report mode: last line is one JSON object")
     args = p.parse_args(argv)
-    if args.residency:
+    if args.residency or args.roofline:
         if args.config is None:
-            p.error("--residency needs --config CONFIG_JSON")
-    else:
+            p.error("--residency and --roofline need --config CONFIG_JSON")
+        if args.residency and (args.experts, args.attn_quant) != ("dense", "none"):
+            p.error("--residency accounts dense experts and bf16 attention only; --roofline covers both paths and --attn-quant")
+    elif not args.bench_experts:  # a build
         if args.checkpoint is None or args.out is None:
             p.error("--checkpoint and --out are required (or use --residency)")
         if not 1 < args.prefill_bucket <= args.max_total:
@@ -1081,6 +1511,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         sizes = residency(cfg, args.tp, args.quant, args.max_total)
         print_residency(sizes, args.tp, args.quant, args.max_total, args.json)
+        return 0
+    if args.roofline:
+        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket)
+        print_roofline(report, args.json)
+        return 0
+    if args.bench_experts:
+        torch.set_num_threads(args.threads)
+        print_bench_experts(bench_experts(args.quant, args.steps), args.json)
         return 0
 
     if args.target == "neuron":
