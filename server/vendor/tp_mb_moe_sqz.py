@@ -923,7 +923,7 @@ def check_lowering(cfg, plan: Plan) -> dict:
     model = build_model(cfg, plan)
     randomize(model)
     model.to(device)
-    xm.mark_step()  # weights and states become device data before the first graph
+    torch_xla.sync()  # weights and states become device data before the first graph
     xm.wait_device_ops()
 
     def counters() -> dict[str, int]:
@@ -939,7 +939,7 @@ def check_lowering(cfg, plan: Plan) -> dict:
             out = model(*inputs)
             for state, new in zip(model.state_tensors(), out[1:], strict=True):
                 state.data = new  # what the input/output alias does on the device
-            xm.mark_step()
+            torch_xla.sync()
             xm.wait_device_ops()
             finite = bool(torch.isfinite(out[0].cpu()).all())
             after = counters()
