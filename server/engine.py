@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.buckets import buckets_of, chunk_spans
 from server.detok import IncrementalDetokenizer, StopMatcher
 from server.embedding import HostEmbedding
 from server.errors import APIError
@@ -432,16 +433,15 @@ class Engine:
 
         logits: torch.Tensor | None = None
         prefill_calls = 0
-        bucket = graph.prefill_bucket
-        for begin in range(start, len(ids), bucket):
+        for begin, end in chunk_spans(start, len(ids), buckets_of(graph)):
             if handle.cancelled.is_set():
                 handle._emit(self._finish(handle, "cancelled", len(ids), 0, reused_tokens=reused,
                                           prefill_calls=prefill_calls))
                 return
-            chunk = ids[begin : begin + bucket]
+            chunk = ids[begin:end]
             embeds = self.embedding.lookup(chunk)  # [1, T, H]
-            positions = torch.arange(begin, begin + len(chunk)).unsqueeze(0)  # [1, T]
-            logits = self._call(embeds, positions, last_only=begin + bucket >= len(ids))
+            positions = torch.arange(begin, end).unsqueeze(0)  # [1, T]
+            logits = self._call(embeds, positions, last_only=end >= len(ids))
             self._cached.extend(chunk)
             prefill_calls += 1
         assert logits is not None
