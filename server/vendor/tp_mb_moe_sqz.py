@@ -861,16 +861,21 @@ def residency(
         seen.add(id(t))
         sizes[component_of(name, states)] += t.numel() * t.element_size()
     sizes["total"] = sum(sizes[c] for c in COMPONENTS)
+    # Not resident, but what a call of the largest bucket B needs at once on top (an estimate, the compiler may
+    # tile it): the gathered f32 logits [B, V] and one global layer's f32 scores [heads, B, slots].
+    b = max(plan.buckets)
+    global_slots = plan.ring_slots(None) if contract == "v2" else max_total
+    sizes["prefill_scratch_estimate"] = 4 * b * (text_config.vocab_size + text_config.num_attention_heads * global_slots)
     return sizes
 
 
 def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: int, as_json: bool,
                     contract: str = "v1") -> None:
     print(f"per-rank device residency (contract {contract}, tp={tp}, quant={quant}, MAX={max_total}, bf16 compute)")
-    for comp in (*COMPONENTS, "total"):
+    for comp in (*COMPONENTS, "total", "prefill_scratch_estimate"):
         print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
     if as_json:
-        print(json.dumps({k: int(sizes[k]) for k in (*COMPONENTS, "total")}))
+        print(json.dumps({k: int(v) for k, v in sizes.items()}))
 
 
 # --------------------------------------------------------------------------------------------------------------------
