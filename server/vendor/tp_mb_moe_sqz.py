@@ -21,6 +21,17 @@ The graph contract ("gemma4-optb/v1"), positional tensors only:
 
 T is the prefill bucket or 1 (decode); anything else is refused.
 
+Contract v2 ("gemma4-optb/v2", ``--contract v2``), the long-context graph:
+
+    model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T]) -> (logits f32 [1,T,V], *kv)
+
+T is one of ``--prefill-buckets`` or 1. The graph builds its masks and KV write slots from the positions. Each layer
+keeps a ring (slot = position mod R): R = window + largest bucket for sliding layers, MAX + largest bucket for
+global ones (``Plan.ring_slots`` says why that is enough), and writes K/V with ``index_copy`` at the slots: O(T)
+per call. ``--weights separate`` traces the graph without weights and writes each rank's shard to
+``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxD's own names; the server memory-maps them). graph.json
+records every shape the host needs (buckets, kv_slots, sliding_window, inputs/outputs, weights).
+
 Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
 layer scalars). Only what does not trace or shard is swapped:
   * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
@@ -38,7 +49,10 @@ hands them to ModelBuilder.
 Usage:
     python tp_mb_moe_sqz.py --checkpoint HF_DIR --out DIR --target neuron|cpu [--tp 2] [--max-total 512]
                             [--prefill-bucket 128] [--quant int8|none]
-    python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--json]
+                            [--contract v1|v2] [--prefill-buckets 128,512] [--weights inside|separate]
+    python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--contract ...] [--json]
+    python tp_mb_moe_sqz.py --check-lowering --config CONFIG_JSON [same build flags] [--json]
+        (torch-xla on CPU; lowering is necessary for neuronx-cc, not sufficient)
 """
 
 from __future__ import annotations
