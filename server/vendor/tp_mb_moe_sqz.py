@@ -541,16 +541,7 @@ class RecipeModel(nn.Module):
             mlp.gate_proj = linear(mlp.gate_proj, "col", quant=int8)
             mlp.up_proj = linear(mlp.up_proj, "col", quant=int8)
             mlp.down_proj = linear(mlp.down_proj, "row", quant=int8)
-            layer.experts = DenseExperts(
-                cfg.num_experts,
-                cfg.hidden_size,
-                cfg.moe_intermediate_size,
-                ACT2FN[cfg.hidden_activation],
-                tp=tp,
-                quant=int8,
-                dtype=dtype,
-                coll=coll,
-            )
+            layer.experts = self.build_experts(cfg, ACT2FN[cfg.hidden_activation])
             # layer_scalar is a buffer in HF, and to NxD a buffer is not a checkpoint weight: it is traced with the
             # value the module was built with (1.0 -> noise out, as the 26B build found). As a parameter it is
             # loaded from the checkpoint like every other weight.
@@ -583,6 +574,22 @@ class RecipeModel(nn.Module):
             for name, p in module._parameters.items():
                 if p is not None and p.is_floating_point() and name not in keep and p.dtype != dtype:
                     p.data = p.data.to(dtype)  # keeps the Parameter object and its TP attributes
+
+    def build_experts(self, cfg, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+        """The MoE block's experts (HF's call: experts(hidden [N, H], top_k_index [N, K], top_k_weights [N, K])).
+
+        One place to choose another implementation (e.g. one that gathers only the routed experts at decode).
+        """
+        return DenseExperts(
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            act_fn,
+            tp=self.plan.tp,
+            quant=self.plan.int8,
+            dtype=self.plan.dtype,
+            coll=self.coll,
+        )
 
     def window_of(self, idx: int) -> int | None:
         """The sliding window of layer idx (None: a global layer)."""
