@@ -200,9 +200,12 @@ def test_rewind_edge_is_exact(artifacts: Path, reference: torch.nn.Module) -> No
         return cap * torch.tanh(got / cap), want
 
     got, want = continue_at(fresh_graph(), edge)
-    assert torch.allclose(got, want, atol=2e-4), (got - want).abs().max()
+    kept = (got - want).abs().max().item()
     got, want = continue_at(fresh_graph(), edge - 1)  # what rewind refused: the first query reads a stale slot
-    assert not torch.allclose(got[:1], want[:1], atol=1e-2)
+    stale = (got[0] - want[0]).abs().max().item()
+    print(f"edge: max |logit diff| {kept:.2e}; one earlier: {stale:.2e}")
+    assert kept < 2e-3  # f32 round-off over logits of magnitude ~10
+    assert stale > 0.1
 
 
 def test_unknown_contract_is_refused_at_start_up(artifacts: Path, tmp_path: Path) -> None:
