@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The container's entrypoint: make sure the artifact directory is complete (fetching it once into the volume
-# when it is not), warn when the host cannot hold the one-time graph load, then become the server.
+# when it is not), warn when the host cannot hold the one-time graph load (graphs whose weights load from
+# memory-mapped per-rank files need no swap), then become the server.
 #
 # Interface (environment):
 #   ARTIFACTS_DIR  artifact directory, normally the /data volume      (default /data)
@@ -27,6 +28,13 @@ log() {
     printf 'entrypoint: %s\n' "$*" >&2
 }
 
+# A v2 graph built with `--weights separate` keeps each rank's weights in its own file, memory-mapped while they
+# go to the device: they never pass through anonymous host memory, so the load needs no swap.
+weights_are_separate() {
+    local spec="$ARTIFACTS_DIR/graph.json"
+    [[ -r "$spec" ]] && grep -Eq '"weights"[[:space:]]*:[[:space:]]*"separate"' "$spec"
+}
+
 # The compiled graph's weights pass through host memory once on their way to the device: on a 16 GB
 # inf2.xlarge that load needs a swapfile (the published build was loaded with 16 GB RAM + 40 GB swap).
 # Only a warning: a bigger host, or a smaller graph, loads fine without one.
@@ -34,6 +42,9 @@ warn_if_memory_is_short() {
     case "$GRAPH" in
         hf | null) return 0 ;; # no compiled graph to load
     esac
+    if weights_are_separate; then
+        return 0
+    fi
     if [[ ! "$MIN_MEMORY_GB" =~ ^[0-9]+$ ]]; then
         log "MIN_MEMORY_GB=$MIN_MEMORY_GB is not a whole number of GiB; using 48"
         MIN_MEMORY_GB=48
@@ -57,8 +68,6 @@ warn_if_memory_is_short() {
     log "(set MIN_MEMORY_GB=0 to silence this warning)"
 }
 
-warn_if_memory_is_short
-
 # `check` is quick (no model load) and names every missing file; fetch only when it fails, so a complete
 # volume starts the server without touching the network.
 if ! reason=$("$PYTHON" -m server check --artifacts "$ARTIFACTS_DIR" --graph "$GRAPH" 2>&1); then
@@ -73,6 +82,9 @@ if ! reason=$("$PYTHON" -m server check --artifacts "$ARTIFACTS_DIR" --graph "$G
         exit "$status"
     }
 fi
+
+# After the fetch: graph.json says whether this graph needs swap to load.
+warn_if_memory_is_short
 
 # exec: the server replaces this shell (PID 1 in the container), so `docker stop`'s SIGTERM reaches it
 # directly and it can drain in-flight requests.

@@ -6,6 +6,7 @@ ARTIFACTS/
   embed_tokens.pt  [vocab, hidden] table (bf16); embed_tokens.safetensors also accepted
   sqz_neff.pt      compiled graph (Neuron) - or model.pt, the same contract traced for CPU
   graph.json       the contract (absent in the published 26B artifacts: defaults below)
+  weights/         v2 --weights separate: tp{rank}_sharded_checkpoint.safetensors, one per rank
   hf/              optional: a transformers checkpoint for the reference graph
 ```
 
@@ -27,9 +28,12 @@ GRAPH_JSON = "graph.json"
 EMBED_FILES = ("embed_tokens.pt", "embed_tokens.safetensors")
 GRAPH_FILES = ("sqz_neff.pt", "model.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-CONTRACT = "gemma4-optb/v1"
+CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write slots and masks
+CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
+CONTRACTS = (CONTRACT, CONTRACT_V2)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
-ALLOW_PATTERNS = ("cfg/*", "embed_tokens.pt", "embed_tokens.safetensors", "sqz_neff.pt", "model.pt", GRAPH_JSON)
+ALLOW_PATTERNS = ("cfg/*", "embed_tokens.pt", "embed_tokens.safetensors", "sqz_neff.pt", "model.pt", GRAPH_JSON,
+                  "weights/*.safetensors")
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
 
 _HOW_TO_GET = (
@@ -38,9 +42,18 @@ _HOW_TO_GET = (
 )
 
 
+class UnknownContract(ValueError):
+    """graph.json names a contract this server does not drive."""
+
+
 @dataclass(frozen=True, slots=True)
 class GraphSpec:
-    """What `graph.json` records. The defaults are those of the published 26B xlarge build (no graph.json)."""
+    """What `graph.json` records. The defaults are those of the published 26B xlarge build (no graph.json).
+
+    v2 adds: several prefill buckets (`prefill_buckets`; v1's single `prefill_bucket` is still read, and stays the
+    most tokens one call takes), the sliding window and ring size the host needs to know how far back a rewind
+    may go, and where the weights are (`weights: separate` -> per-rank safetensors in `weight_files`).
+    """
 
     max_total: int = 512
     prefill_bucket: int = 128
@@ -49,29 +62,58 @@ class GraphSpec:
     graph_file: str | None = None
     tp: int = 2
     contract: str = CONTRACT
+    prefill_buckets: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    sliding_slots: int | None = None  # v2: KV slots of a sliding layer's ring
+    weights: str = "inside"
+    weight_files: tuple[str, ...] = ()
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.prefill_buckets or (self.prefill_bucket,)
+
+    @property
+    def v2(self) -> bool:
+        return self.contract == CONTRACT_V2
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GraphSpec:
         if not isinstance(data, dict):
             raise TypeError(f"expected a JSON object, got {type(data).__name__}")
         default = cls()
+        contract = str(data.get("contract", CONTRACT))
+        if contract not in CONTRACTS:
+            raise UnknownContract(f"graph contract {contract!r} is not one this server drives ({', '.join(CONTRACTS)});"
+                                  " rebuild the graph with the vendored recipe or update the server")
+        buckets = tuple(sorted({int(b) for b in data.get("prefill_buckets") or ()}))
+        window = data.get("sliding_window")
+        slots = (data.get("kv_slots") or {}).get("sliding_attention")
         spec = cls(
             max_total=int(data.get("max_total", default.max_total)),
-            prefill_bucket=int(data.get("prefill_bucket", default.prefill_bucket)),
+            prefill_bucket=max(buckets) if buckets else int(data.get("prefill_bucket", default.prefill_bucket)),
             input_dtype=str(data.get("input_dtype", default.input_dtype)),
             softcap_in_graph=bool(data.get("softcap_in_graph", default.softcap_in_graph)),
             graph_file=data.get("graph_file"),
             tp=int(data.get("tp", default.tp)),
-            contract=str(data.get("contract", CONTRACT)),
+            contract=contract,
+            prefill_buckets=buckets,
+            sliding_window=int(window) if window else None,
+            sliding_slots=int(slots) if slots else None,
+            weights=str(data.get("weights", "inside")),
+            weight_files=tuple(str(f) for f in data.get("weight_files") or ()),
         )
-        if spec.max_total < 2 or not 1 <= spec.prefill_bucket <= spec.max_total:
-            raise ValueError(f"need 1 <= prefill_bucket <= max_total, got {spec.prefill_bucket}, {spec.max_total}")
+        if spec.max_total < 2 or not 1 <= min(spec.buckets) <= spec.prefill_bucket <= spec.max_total:
+            raise ValueError(f"need 1 <= prefill buckets <= max_total, got {spec.buckets}, {spec.max_total}")
         if spec.input_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"input_dtype must be float32, bfloat16 or float16, got {spec.input_dtype!r}")
+        if spec.weights not in ("inside", "separate") or (spec.weights == "separate") != bool(spec.weight_files):
+            raise ValueError(f"weights must be 'inside', or 'separate' with weight_files, got {spec.weights!r}")
+        if spec.v2 and (spec.sliding_window is None) != (spec.sliding_slots is None):
+            raise ValueError("a v2 graph with a sliding window records kv_slots.sliding_attention too")
         return spec
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        record: dict[str, Any] = {
             "contract": self.contract,
             "max_total": self.max_total,
             "prefill_bucket": self.prefill_bucket,
@@ -80,6 +122,11 @@ class GraphSpec:
             "graph_file": self.graph_file,
             "tp": self.tp,
         }
+        if self.v2:
+            record.update(prefill_buckets=list(self.buckets), sliding_window=self.sliding_window,
+                          kv_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
+                          weight_files=list(self.weight_files))
+        return record
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +220,9 @@ def validate(root: Path | str, graph: str = "auto", *, deep: bool = True) -> Art
 
     try:
         spec = art.graph_spec()
+    except UnknownContract as exc:
+        problems.append(f"{art.root / GRAPH_JSON}: {exc}")
+        spec = GraphSpec()
     except (ValueError, TypeError) as exc:
         problems.append(f"{art.root / GRAPH_JSON}: malformed ({exc})")
         spec = GraphSpec()
@@ -188,6 +238,10 @@ def validate(root: Path | str, graph: str = "auto", *, deep: bool = True) -> Art
     if kind == "jit" and art.graph_file is None:
         wanted = spec.graph_file or "sqz_neff.pt (or model.pt)"
         problems.append(f"{art.root}/{wanted}: missing (the compiled graph, needed by --graph jit)")
+    if kind == "jit":
+        for name in spec.weight_files:
+            if not (art.root / name).is_file():
+                problems.append(f"{art.root}/{name}: missing (a rank's weights; graph.json says weights: separate)")
     if kind == "hf":
         if not (art.hf / "config.json").is_file():
             problems.append(f"{art.hf}/config.json: missing (the transformers checkpoint, needed by --graph hf)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from server.buckets import buckets_of, chunk_spans
 from server.detok import IncrementalDetokenizer, StopMatcher
 from server.embedding import HostEmbedding
 from server.generation import (
@@ -414,18 +415,18 @@ class Engine:
         return start
 
     def _prefill(self, handle: RequestHandle, ids: list[int], start: int) -> tuple[torch.Tensor | None, int]:
-        """ids[start:] in bucket-sized chunks: (the last position's logits [1, 1, V] or None if cancelled, calls)."""
+        """ids[start:] in chunks the graph's buckets cover with the fewest calls, then the least padding (see
+        server.buckets): (the last position's logits [1, 1, V] or None if cancelled, calls)."""
         assert self.graph is not None
         logits: torch.Tensor | None = None
         calls = 0
-        bucket = self.graph.prefill_bucket
-        for begin in range(start, len(ids), bucket):
+        for begin, end in chunk_spans(start, len(ids), buckets_of(self.graph)):
             if handle.cancelled.is_set():
                 return None, calls
-            chunk = ids[begin : begin + bucket]
+            chunk = ids[begin:end]
             embeds = self.embedding.lookup(chunk)  # [1, T, H]
-            positions = torch.arange(begin, begin + len(chunk)).unsqueeze(0)  # [1, T]
-            logits = self._call(embeds, positions, last_only=begin + bucket >= len(ids))
+            positions = torch.arange(begin, end).unsqueeze(0)  # [1, T]
+            logits = self._call(embeds, positions, last_only=end >= len(ids))
             self._cached.extend(chunk)
             calls += 1
         assert logits is not None

@@ -85,3 +85,17 @@ def test_graph_json_names_the_graph_file(tmp_path: Path) -> None:
     art = validate(root)
     assert art.graph_spec() == spec
     assert ArtifactDir(root).graph_file == root / "model.pt"
+
+
+def test_graph_spec_reads_v1_and_v2() -> None:
+    v1 = GraphSpec.from_json({"max_total": 512, "prefill_bucket": 128})  # the published record: no contract, v1
+    assert not v1.v2 and v1.buckets == (128,) and v1.weights == "inside"
+    v2 = GraphSpec.from_json({"contract": "gemma4-optb/v2", "max_total": 8192, "prefill_buckets": [512, 128],
+                              "sliding_window": 1024, "kv_slots": {"sliding_attention": 1536},
+                              "weights": "separate", "weight_files": ["weights/tp0_sharded_checkpoint.safetensors"]})
+    assert v2.v2 and v2.buckets == (128, 512) and v2.prefill_bucket == 512 and v2.sliding_slots == 1536
+    assert GraphSpec.from_json(v2.to_json()) == v2
+    with pytest.raises(ValueError, match="weight_files"):
+        GraphSpec.from_json({"contract": "gemma4-optb/v2", "weights": "separate"})
+    with pytest.raises(ValueError, match="prefill buckets <= max_total"):
+        GraphSpec.from_json({"contract": "gemma4-optb/v2", "max_total": 256, "prefill_buckets": [128, 512]})

@@ -130,6 +130,18 @@ def test_no_memory_warning_without_a_compiled_graph_or_when_silenced(stub: tuple
     assert "swapfile" not in result.stderr
 
 
+def test_no_swap_asked_for_a_graph_with_separate_weights(stub: tuple[Path, Path], tmp_path: Path) -> None:
+    (tmp_path / "graph.json").write_text(json.dumps({"contract": "gemma4-optb/v2", "weights": "separate",
+                                                     "weight_files": ["weights/tp0_sharded_checkpoint.safetensors"]}))
+    result, calls = _run_stub(stub, GRAPH="jit", MIN_MEMORY_GB="100000", ARTIFACTS_DIR=str(tmp_path))
+    assert result.returncode == 0 and calls[-1].startswith("-m server serve ")
+    assert "swapfile" not in result.stderr
+    # The same directory with its weights inside the graph still gets the warning.
+    (tmp_path / "graph.json").write_text(json.dumps({"contract": "gemma4-optb/v2", "weights": "inside"}))
+    result, _ = _run_stub(stub, GRAPH="jit", MIN_MEMORY_GB="100000", ARTIFACTS_DIR=str(tmp_path))
+    assert "sudo swapon /swapfile" in result.stderr
+
+
 def test_real_check_and_fetch_fill_an_empty_volume(stub: tuple[Path, Path], tmp_path: Path) -> None:
     """The real `check` and `fetch` (a stand-in Hub, a small repo), only `serve` stubbed: no HTTP layer needed."""
     data = tmp_path / "data"

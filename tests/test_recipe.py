@@ -364,12 +364,29 @@ def test_residency_of_26b_a4b(tmp_path, capsys, tp, quant, experts_gb, lm_head_g
     assert recipe.main(["--residency", "--config", str(config), "--tp", str(tp), "--quant", quant, "--json"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     sizes = json.loads(last)
-    assert set(sizes) == {"experts", "attention", "shared_mlp", "lm_head", "other", "kv_cache", "total"}
+    assert set(sizes) == {"experts", "attention", "shared_mlp", "lm_head", "other", "kv_cache", "total",
+                          "prefill_scratch_estimate"}
     assert sizes["experts"] == pytest.approx(experts_gb * 1e9, rel=0.05)
     assert sizes["lm_head"] == pytest.approx(lm_head_gb * 1e9, rel=0.05)
-    assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
+    assert sizes["total"] == sum(v for k, v in sizes.items() if k not in ("total", "prefill_scratch_estimate"))
     if quant == "int8":
         assert 12 * 2**30 <= sizes["total"] <= 13 * 2**30  # "~12-13 GB" per rank: fits a 16 GB core
+
+
+@pytest.mark.parametrize(("max_total", "kv_gb", "total_gb"), [(8192, 0.336, 13.80), (32768, 0.839, 14.31)])
+def test_residency_of_26b_a4b_contract_v2(tmp_path, capsys, max_total, kv_gb, total_gb):
+    """v2's rings: 25 sliding layers keep window + largest bucket slots, the 5 global layers MAX + largest bucket."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GEMMA4_26B_A4B))
+    assert recipe.main(["--residency", "--json", "--config", str(config), "--tp", "2", "--quant", "int8",
+                        "--contract", "v2", "--prefill-buckets", "128,512", "--max-total", str(max_total)]) == 0
+    sizes = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    head_dim, global_dim, window, b = 256, 512, 1024, 512
+    sliding = 25 * 2 * (8 // 2) * (window + b) * head_dim * 2  # K and V, 4 kv heads per rank, bf16
+    global_ = 5 * 2 * 2 * (max_total + b) * global_dim * 2  # 2 kv heads, replicated
+    assert sizes["kv_cache"] == sliding + global_
+    assert sizes["kv_cache"] == pytest.approx(kv_gb * 1e9, rel=0.01)
+    assert sizes["total"] == pytest.approx(total_gb * 1e9, rel=0.01)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -388,8 +405,8 @@ def _imports(node: ast.AST) -> list[str]:
 def test_script_is_standalone_and_imports_neuron_lazily():
     tree = ast.parse(H.SCRIPT.read_text())
     top_level = {m.split(".")[0] for node in tree.body for m in _imports(node)}
-    assert top_level <= {"__future__", "argparse", "collections", "copy", "dataclasses", "json", "pathlib", "shutil",
-                         "sys", "torch", "warnings"}  # fmt: skip
+    assert top_level <= {"__future__", "argparse", "collections", "copy", "dataclasses", "functools", "json",
+                         "pathlib", "shutil", "sys", "torch", "warnings"}  # fmt: skip
     everywhere = [m for node in ast.walk(tree) for m in _imports(node)]
     assert not [m for m in everywhere if m == "server" or m.startswith("server.")]
     neuron_importers = {

@@ -29,6 +29,17 @@ from server.vendor.neuron_prelude import prepare_neuron_imports
 log = logging.getLogger(__name__)
 
 
+def load_compiled(path: Path | str, contract: str) -> torch.jit.ScriptModule:
+    """The published build's proven load, for every contract: NxD's model builder imported first (through the
+    prelude: it registers `neuron.SPMDModel`), then `torch.jit.load` with no map_location, as the published deploy
+    script, NxD and NxD Inference call it: a Neuron graph's saved weights must stay what they are for NxD's
+    initialisation (mapped to the CPU they would be ~26.7 GB of host tensors the device never reloads). A
+    CPU-traced graph holds CPU tensors and loads the same way."""
+    runtime = prepare_neuron_imports()
+    log.info("loading compiled graph %s (%s, neuron runtime: %s)", path, contract, runtime or "none, CPU TorchScript")
+    return torch.jit.load(str(path))
+
+
 class ContractInputs:
     """Builds onehot / full_mask / sliding_mask for given positions (shapes of the contract above)."""
 
@@ -75,12 +86,7 @@ class JitGraph:
         final_softcap: float | None,
         start_rank: int = 0,
     ) -> None:
-        runtime = prepare_neuron_imports()  # before the load: registers neuron.SPMDModel
-        log.info("loading compiled graph %s (neuron runtime: %s)", path, runtime or "none, CPU TorchScript")
-        # No map_location, as the published deploy script, NxD and NxD Inference load it: a Neuron graph's saved
-        # weights must stay what they are for initialize_with_saved_weights (mapped to the CPU they would be ~26.7
-        # GB of host tensors the device never reloads). A CPU-traced graph holds CPU tensors and loads as before.
-        self.module = torch.jit.load(str(path))
+        self.module = load_compiled(path, "contract v1")
         if hasattr(self.module, "nxd_model"):
             # Pushes the saved sharded weights to the NeuronCores; once, before the first call.
             self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
@@ -113,3 +119,87 @@ class JitGraph:
     def rewind(self, position: int) -> int:
         # One-hot writes address slots by absolute position: stale slots are simply overwritten.
         return position
+
+
+class JitGraphV2:
+    """Contract v2 (ARCHITECTURE.md "Contract v2"): `model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T])`.
+
+    The graph builds its masks and KV write slots from the positions and keeps sliding layers in a ring of
+    `sliding_slots` slots, so the host ships no [T, MAX] tensors. T is one of the graph's prefill buckets or 1: a
+    shorter chunk is padded to the smallest bucket that holds it, pad positions continuing past the last real one
+    (the ring is sized so their writes never reach a slot a real query can see).
+    """
+
+    name = "jit"
+
+    def __init__(
+        self,
+        path: Path | str,
+        spec: GraphSpec,
+        *,
+        vocab_size: int,
+        final_softcap: float | None,
+        start_rank: int = 0,
+    ) -> None:
+        self.module = load_compiled(path, "contract v2")
+        root = Path(path).parent
+        if spec.weight_files:
+            self._load_separate_weights([root / f for f in spec.weight_files], start_rank)
+        elif hasattr(self.module, "nxd_model"):
+            self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
+        self.max_total = spec.max_total
+        self.prefill_buckets = spec.buckets
+        self.prefill_bucket = max(spec.buckets)
+        self.input_dtype = DTYPES[spec.input_dtype]
+        self.vocab_size = vocab_size
+        self.host_softcap = None if spec.softcap_in_graph else final_softcap
+        self.window, self.ring = spec.sliding_window, spec.sliding_slots
+        # chunk length -> the bucket it runs at (the smallest that holds it); 1 is the decode graph
+        self._bucket_for = {t: next(b for b in self.prefill_buckets if b >= t) for t in range(2, self.prefill_bucket + 1)}
+        self._bucket_for[1] = 1
+        self._pads = {b: torch.arange(b) for b in self.prefill_buckets}  # [B] offsets for pad positions
+        self._written = -1  # highest position written (pads included) since the cache was last filled from 0
+
+    def _load_separate_weights(self, files: list[Path], start_rank: int) -> None:
+        from server.weights import attach_weights, open_rank_weights
+
+        weights = [open_rank_weights(f) for f in files]  # memory-mapped, one dict per rank
+        if hasattr(self.module, "nxd_model"):
+            # NxD's own initialisation (what ModelBuilder.trace does with its shards) from the mapped files.
+            self.module.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))
+        else:
+            if len(weights) != 1:
+                raise ValueError(f"a CPU graph runs one rank, graph.json lists {len(weights)} weight files")
+            attached = attach_weights(self.module, weights[0], prefix="core.")
+            log.info("attached %.1f MB of memory-mapped weights", attached / 1e6)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
+        bucket = self._bucket_for[t]  # KeyError: a chunk longer than the largest bucket (the engine plans them)
+        end = int(positions[0, -1])
+        if bucket != t:
+            pad = bucket - t
+            embeds = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], dim=1)  # [1, B, H]
+            tail = end + 1 + self._pads[bucket][:pad]  # continue past the last real position
+            positions = torch.cat([positions, tail[None]], dim=1)  # [1, B]
+            end += pad
+        embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
+        self._written = max(self._written, end)  # before the call: a failed call may have written some layers
+        if on_submit is not None:
+            on_submit()
+        out = self.module(embeds, positions)
+        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]
+        if logits.shape[1] != 1:
+            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def rewind(self, position: int) -> int:
+        """The cache is valid before `position` unless a later write wrapped a sliding ring over what a query at
+        `position` still reads: positions (position - window, position). A slot holds position x until a write at
+        x + ring, so all of them survive iff position - window + 1 > written - ring. Otherwise only a prefill from
+        0 rebuilds the ring (going back less would need even older positions)."""
+        if position > 0 and (self.ring is None or position - self.window + 1 > self._written - self.ring):
+            return position
+        self._written = -1
+        return 0

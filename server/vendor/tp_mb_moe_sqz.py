@@ -21,6 +21,17 @@ The graph contract ("gemma4-optb/v1"), positional tensors only:
 
 T is the prefill bucket or 1 (decode); anything else is refused.
 
+Contract v2 ("gemma4-optb/v2", ``--contract v2``), the long-context graph:
+
+    model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T]) -> (logits f32 [1,T,V], *kv)
+
+T is one of ``--prefill-buckets`` or 1. The graph builds its masks and KV write slots from the positions. Each layer
+keeps a ring (slot = position mod R): R = window + largest bucket for sliding layers, MAX + largest bucket for
+global ones (``Plan.ring_slots`` says why that is enough), and writes K/V with ``index_copy`` at the slots: O(T)
+per call. ``--weights separate`` traces the graph without weights and writes each rank's shard to
+``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxD's own names; the server memory-maps them). graph.json
+records every shape the host needs (buckets, kv_slots, sliding_window, inputs/outputs, weights).
+
 Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
 layer scalars). Only what does not trace or shard is swapped:
   * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
@@ -38,7 +49,10 @@ hands them to ModelBuilder.
 Usage:
     python tp_mb_moe_sqz.py --checkpoint HF_DIR --out DIR --target neuron|cpu [--tp 2] [--max-total 512]
                             [--prefill-bucket 128] [--quant int8|none]
-    python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--json]
+                            [--contract v1|v2] [--prefill-buckets 128,512] [--weights inside|separate]
+    python tp_mb_moe_sqz.py --residency --config CONFIG_JSON [--tp 2] [--quant int8|none] [--contract ...] [--json]
+    python tp_mb_moe_sqz.py --check-lowering --config CONFIG_JSON [same build flags] [--json]
+        (torch-xla on CPU; lowering is necessary for neuronx-cc, not sufficient)
     python tp_mb_moe_sqz.py --roofline --config CONFIG_JSON [--tp 2] [--attn-quant int8|none] [--json]  # a projection
     python tp_mb_moe_sqz.py --bench-experts [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
     Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
@@ -49,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import shutil
 import sys
@@ -62,6 +77,9 @@ import torch.nn.functional as F
 from torch import nn
 
 CONTRACT = "gemma4-optb/v1"
+CONTRACT_V2 = "gemma4-optb/v2"
+# Per-rank weight files of a --weights separate build: NxD's own names (ModelBuilder.shard_checkpoint writes them).
+RANK_WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 # Host-side files the server needs next to the graph; copied when the checkpoint has them.
 CFG_FILES = (
     "config.json",
@@ -497,6 +515,51 @@ class SlotCache:
         return out[0], out[1]
 
 
+class RingCache:
+    """v2's ``cache`` object: K/V written at slot = position mod ring size, an indexed O(T) write (not a blend).
+
+    CPU updates the buffers in place (``index_copy_``); on the device the functional ``index_copy`` result is
+    returned and aliased back to the state, which XLA turns into an in-place scatter / dynamic-update-slice.
+    """
+
+    def __init__(self, model: RecipeModel, position_ids: torch.Tensor) -> None:
+        self.model = model
+        pos = position_ids[0]  # [T] int64
+        self.slots = {r: torch.remainder(pos, r) for r in sorted(set(model.ring_sizes))}  # ring size -> [T]
+        self.new_states: dict[str, torch.Tensor] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_: object):
+        # key/value_states [1, kvh_local, T, D] -> the layer's ring [1, kvh_local, R, D]
+        attn = self.model.layers[layer_idx].self_attn
+        index = self.slots[self.model.ring_sizes[layer_idx]]  # [T]
+        out = []
+        for name, new in (("k_cache", key_states), ("v_cache", value_states)):
+            state = getattr(attn, name)  # [1, kvh_local, R, D]
+            new = new.to(state.dtype)
+            write = state.index_copy_ if self.model.plan.inplace_kv else state.index_copy
+            updated = write(2, index, new)  # [1, kvh_local, R, D]
+            self.new_states[f"layers.{layer_idx}.self_attn.{name}"] = updated
+            out.append(updated)
+        return out[0], out[1]
+
+
+def ring_mask(position_ids: torch.Tensor, ring: int, window: int | None) -> torch.Tensor:
+    """[1, T] positions -> f32 [1, 1, T, R]: 0 where slot j holds a position the query may see, else finfo.min.
+
+    Slot j holds, for query q, position q - age with age = (q - j) mod R (the latest position <= q that maps to j;
+    Plan.ring_slots guarantees nothing later overwrote it). Visible iff that position exists (age <= q) and is
+    inside the window (age < window; global layers: no window).
+    """
+    pos = position_ids[0]  # [T]
+    slots = torch.arange(ring, device=pos.device, dtype=pos.dtype)  # [R]
+    age = torch.remainder(pos[:, None] - slots[None, :], ring)  # [T, R]
+    visible = age <= pos[:, None]
+    if window is not None:
+        visible = visible & (age < window)
+    neg = torch.finfo(torch.float32).min
+    return torch.where(visible, 0.0, neg).to(torch.float32)[None, None]  # [1, 1, T, R]
+
+
 @dataclass(frozen=True)
 class Plan:
     """How to build the module: parallel degree, squeeze, compute dtype, KV capacity and state handling."""
@@ -509,6 +572,22 @@ class Plan:
     inplace_kv: bool = True  # CPU: update the buffers in the graph; Neuron: return them, the alias writes back
     experts: str = "dense"  # "selective": decode reads only the routed experts (SelectiveExperts)
     attn_quant: str = "none"  # "int8": attention projections per-channel int8 too
+    contract: str = "v1"  # "v1": the host ships one-hot + masks; "v2": embeds + positions, rings, indexed writes
+    buckets: tuple[int, ...] = (128,)  # prefill chunk lengths (v2 sizes its rings by the largest)
+
+    def ring_slots(self, window: int | None) -> int:
+        """v2 KV slots of a layer: a ring of window + largest bucket (sliding), MAX + largest bucket (global).
+
+        A call writes T <= B consecutive positions (the pads continue past the last real one) before its queries
+        read. Slot = position mod R, and a query q reads positions (q - window, q]. The call's writes reach back to
+        position (q + B - 1) - R, which stays <= q - window exactly when R >= window + B - 1: a write never lands
+        on a slot a real query of the same or a later call can see. Global layers are the same ring with
+        window = MAX: real positions never wrap, and the pads of a chunk near the end (positions up to
+        MAX + B - 2) land in the B extra slots instead of on position 0.
+        """
+        largest = max(self.buckets)
+        full = self.max_total + largest
+        return full if window is None else min(window + largest, full)
 
     @property
     def int8(self) -> bool:
@@ -545,6 +624,9 @@ class RecipeModel(nn.Module):
         self.coll = coll
         self.layer_types = list(cfg.layer_types)
         self.state_names: list[str] = []
+        self.ring_sizes: list[int] = []  # KV slots per layer
+        if plan.contract not in ("v1", "v2"):
+            raise ValueError(f"unknown contract {plan.contract!r}")
         tp, int8, dtype = plan.tp, plan.int8, plan.dtype
 
         def linear(lin: nn.Linear, mode: str, quant: bool, gather_output: bool = False) -> ShardLinear:
@@ -574,8 +656,11 @@ class RecipeModel(nn.Module):
                 attn.v_proj = linear(attn.v_proj, "col" if sharded else "replicated", quant=plan.attn_int8)
             attn.o_proj = linear(attn.o_proj, "row" if sharded else "replicated", quant=plan.attn_int8)
             local_kv = kv_heads // tp if sharded else kv_heads
+            # v1: slot = absolute position (MAX slots); v2: a ring per layer (Plan.ring_slots)
+            n_slots = plan.ring_slots(self.window_of(idx)) if plan.contract == "v2" else plan.max_total
+            self.ring_sizes.append(n_slots)
             for name in ("k_cache", "v_cache"):
-                slots = torch.zeros(1, local_kv, plan.max_total, attn.head_dim, dtype=dtype)  # [1, kvh_l, MAX, D]
+                slots = torch.zeros(1, local_kv, n_slots, attn.head_dim, dtype=dtype)  # [1, kvh_l, slots, D]
                 if plan.kv_as_params:
                     setattr(attn, name, nn.Parameter(slots, requires_grad=False))
                 else:
@@ -620,6 +705,10 @@ class RecipeModel(nn.Module):
                 if p is not None and p.is_floating_point() and name not in keep and p.dtype != dtype:
                     p.data = p.data.to(dtype)  # keeps the Parameter object and its TP attributes
 
+    def window_of(self, idx: int) -> int | None:
+        """The sliding window of layer idx (None: a global layer)."""
+        return int(self.text_config.sliding_window) if self.layer_types[idx] == "sliding_attention" else None
+
     # -- states ------------------------------------------------------------------------------------------------------
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -641,15 +730,22 @@ class RecipeModel(nn.Module):
         self,
         inputs_embeds: torch.Tensor,  # f32 [1, T, H], already x embed scale
         position_ids: torch.Tensor,  # int64 [1, T]
-        onehot: torch.Tensor,  # f32 [1, 1, MAX, T]
-        full_mask: torch.Tensor,  # f32 [1, 1, T, MAX]
-        sliding_mask: torch.Tensor,  # f32 [1, 1, T, MAX]
+        onehot: torch.Tensor | None = None,  # v1 only: f32 [1, 1, MAX, T]
+        full_mask: torch.Tensor | None = None,  # v1 only: f32 [1, 1, T, MAX]
+        sliding_mask: torch.Tensor | None = None,  # v1 only: f32 [1, 1, T, MAX]
     ) -> tuple[torch.Tensor, ...]:
         hidden = inputs_embeds.to(self.plan.dtype)  # [1, T, H]
-        cache = SlotCache(self, onehot)
         rope = {lt: self.rotary_emb(hidden, position_ids, lt) for lt in sorted(set(self.layer_types))}
         # Masks stay f32: a bf16 score plus an f32 mask is computed in f32 (finfo(f32).min would be -inf in bf16).
-        masks = {"full_attention": full_mask, "sliding_attention": sliding_mask}
+        if self.plan.contract == "v2":
+            cache = RingCache(self, position_ids)
+            masks = {}
+            for idx, layer_type in enumerate(self.layer_types):
+                if layer_type not in masks:  # every layer of a type has the same ring and window
+                    masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx))
+        else:
+            cache = SlotCache(self, onehot)
+            masks = {"full_attention": full_mask, "sliding_attention": sliding_mask}
         shared_kv: dict = {}  # HF's last layer of each type stores its K/V here; unused without KV sharing
         for idx, layer in enumerate(self.layers):
             layer_type = self.layer_types[idx]
@@ -837,10 +933,23 @@ def contract_inputs(
     return inputs_embeds.float(), position_ids.to(torch.int64), onehot, full, sliding
 
 
-def example_inputs(cfg, t: int, start: int, max_total: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1") -> tuple[torch.Tensor, ...]:
     embeds = torch.randn(1, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [1, T, H]
     positions = torch.arange(start, start + t, dtype=torch.int64)[None]  # [1, T]
+    if contract == "v2":
+        return embeds.float(), positions  # v2 builds masks and write slots inside the graph
     return contract_inputs(embeds, positions, max_total, cfg.sliding_window)
+
+
+def graph_keys(plan: Plan) -> list[tuple[str, int, int]]:
+    """(key, T, start position of the example) per graph: each prefill bucket, then decode.
+
+    v1 keeps its two keys ("prefill", "decode"); v2 names a prefill graph per bucket ("prefill_512").
+    """
+    if plan.contract == "v1":
+        (bucket,) = plan.buckets
+        return [("prefill", bucket, 0), ("decode", 1, bucket)]
+    return [*((f"prefill_{b}", b, 0) for b in plan.buckets), ("decode", 1, max(plan.buckets))]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -862,11 +971,20 @@ def component_of(name: str, states: Iterable[str]) -> str:
     return "other"  # norms, router, layer scalars, rotary tables, expert rank
 
 
-def residency(text_config, tp: int, quant: str, max_total: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+def residency(
+    text_config,
+    tp: int,
+    quant: str,
+    max_total: int,
+    dtype: torch.dtype = torch.bfloat16,
+    contract: str = "v1",
+    buckets: tuple[int, ...] = (128,),
+) -> dict[str, int]:
     """Device bytes held by one rank, per component (every rank holds the same amount)."""
     from accelerate import init_empty_weights
 
-    plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False)
+    plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False,
+                contract=contract, buckets=tuple(buckets))
     with init_empty_weights(include_buffers=True):
         model = RecipeModel(text_config, plan)
     states = set(model.state_names)
@@ -878,15 +996,112 @@ def residency(text_config, tp: int, quant: str, max_total: int, dtype: torch.dty
         seen.add(id(t))
         sizes[component_of(name, states)] += t.numel() * t.element_size()
     sizes["total"] = sum(sizes[c] for c in COMPONENTS)
+    # Not resident, but what a call of the largest bucket B needs at once on top (an estimate, the compiler may
+    # tile it): the gathered f32 logits [B, V] and one global layer's f32 scores [heads, B, slots].
+    b = max(plan.buckets)
+    global_slots = plan.ring_slots(None) if contract == "v2" else max_total
+    sizes["prefill_scratch_estimate"] = 4 * b * (text_config.vocab_size + text_config.num_attention_heads * global_slots)
     return sizes
 
 
-def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: int, as_json: bool) -> None:
-    print(f"per-rank device residency (tp={tp}, quant={quant}, MAX={max_total}, bf16 compute)")
-    for comp in (*COMPONENTS, "total"):
+def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: int, as_json: bool,
+                    contract: str = "v1") -> None:
+    print(f"per-rank device residency (contract {contract}, tp={tp}, quant={quant}, MAX={max_total}, bf16 compute)")
+    for comp in (*COMPONENTS, "total", "prefill_scratch_estimate"):
         print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
     if as_json:
-        print(json.dumps({k: int(sizes[k]) for k in (*COMPONENTS, "total")}))
+        print(json.dumps({k: int(v) for k, v in sizes.items()}))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lowering check: every graph on torch-xla (CPU PJRT), the HLO neuronx-cc would compile
+# --------------------------------------------------------------------------------------------------------------------
+
+LOWERING_NOTE = "lowering is necessary for neuronx-cc, not sufficient"
+
+
+def check_lowering(cfg, plan: Plan) -> dict:
+    """Build the device module (rank-local shapes, KV as aliased states) on the XLA device with random weights and
+    run every graph twice at different positions. Pass: no aten:: fallback, one compilation on the first call of a
+    graph, none on the second. The collectives are identity here (one process); NxD puts its own in.
+    """
+    import os
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    try:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+    except ImportError as exc:
+        raise SystemExit(f"--check-lowering needs torch-xla (pip install -r requirements-xla.txt): {exc}") from exc
+
+    check_supported(cfg, plan.tp)
+    device = torch_xla.device()
+    # As NxD traces it: KV states are parameters, the graph returns their new values and the caller aliases them.
+    plan = Plan(**{**plan.__dict__, "kv_as_params": True, "inplace_kv": False})
+    model = build_model(cfg, plan)
+    randomize(model)
+    model.to(device)
+    torch_xla.sync()  # weights and states become device data before the first graph
+    xm.wait_device_ops()
+
+    def counters() -> dict[str, int]:
+        return {n: met.counter_value(n) or 0 for n in met.counter_names()}
+
+    graphs = []
+    for key, t, _ in graph_keys(plan):
+        calls = []
+        # First call at 0, second at the far end of the context (the ring has wrapped there).
+        for start in (0 if t > 1 else min(plan.buckets), plan.max_total - t):
+            inputs = [x.to(device) for x in example_inputs(cfg, t, start, plan.max_total, plan.contract)]
+            before = counters()
+            out = model(*inputs)
+            for state, new in zip(model.state_tensors(), out[1:], strict=True):
+                state.data = new  # what the input/output alias does on the device
+            torch_xla.sync()
+            xm.wait_device_ops()
+            finite = bool(torch.isfinite(out[0].cpu()).all())
+            after = counters()
+            delta = {n: v - before.get(n, 0) for n, v in after.items() if v != before.get(n, 0)}
+            calls.append({
+                "start": start,
+                "compilations": delta.get("UncachedCompile", 0),
+                "aten_fallbacks": {n: v for n, v in delta.items() if n.startswith("aten::")},
+                "finite_logits": finite,
+            })
+        ok = (
+            not any(c["aten_fallbacks"] for c in calls)
+            and calls[0]["compilations"] == 1
+            and calls[1]["compilations"] == 0
+            and all(c["finite_logits"] for c in calls)
+        )
+        graphs.append({"graph": key, "T": t, "calls": calls, "pass": ok})
+    return {
+        "contract": plan.contract,
+        "max_total": plan.max_total,
+        "prefill_buckets": list(plan.buckets),
+        "tp": plan.tp,
+        "quant": plan.quant,
+        "torch_xla": torch_xla.__version__,
+        "graphs": graphs,
+        "pass": all(g["pass"] for g in graphs),
+        "note": LOWERING_NOTE,
+    }
+
+
+def print_lowering(report: Mapping, as_json: bool) -> None:
+    print(f"lowering check on torch-xla {report['torch_xla']} (contract {report['contract']}, MAX={report['max_total']},"
+          f" buckets {report['prefill_buckets']}, tp={report['tp']} rank-local, quant={report['quant']}): "
+          f"{LOWERING_NOTE}")
+    print(f"  {'graph':<14} {'T':>5} {'compiles 1st/2nd':>17}  aten:: fallbacks")
+    for g in report["graphs"]:
+        first, second = g["calls"]
+        fallbacks = {k: v for c in g["calls"] for k, v in c["aten_fallbacks"].items()} or "none"
+        verdict = "ok" if g["pass"] else "FAIL"
+        print(f"  {g['graph']:<14} {g['T']:>5} {first['compilations']:>8}/{second['compilations']:<8}  {fallbacks}  {verdict}")
+    print("PASS" if report["pass"] else "FAIL")
+    if as_json:
+        print(json.dumps(report))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1200,18 +1415,50 @@ def write_host_artifacts(checkpoint: Path, reader: CheckpointReader, out: Path) 
     torch.save(table.clone(), out / "embed_tokens.pt")
 
 
-def write_graph_json(out: Path, *, cfg, max_total: int, bucket: int, tp: int, graph_file: str, quant: str) -> dict:
-    record = {
-        "contract": CONTRACT,
-        "max_total": max_total,
-        "prefill_bucket": bucket,
-        "input_dtype": "float32",
-        "tp": tp,
-        "softcap_in_graph": False,
-        "sliding_window": int(cfg.sliding_window),
-        "graph_file": graph_file,
-        "quant": quant,
-    }
+def write_graph_json(
+    out: Path,
+    *,
+    cfg,
+    max_total: int,
+    bucket: int,
+    tp: int,
+    graph_file: str,
+    quant: str,
+    plan: Plan | None = None,
+    weight_files: list[str] | None = None,
+) -> dict:
+    """graph.json: v1's record as published; v2 adds every shape the host needs (see CONTRACT_V2)."""
+    if plan is None or plan.contract == "v1":
+        record = {
+            "contract": CONTRACT,
+            "max_total": max_total,
+            "prefill_bucket": bucket,
+            "input_dtype": "float32",
+            "tp": tp,
+            "softcap_in_graph": False,
+            "sliding_window": int(cfg.sliding_window),
+            "graph_file": graph_file,
+            "quant": quant,
+        }
+    else:
+        window = int(cfg.sliding_window)
+        record = {
+            "contract": CONTRACT_V2,
+            "max_total": max_total,
+            "prefill_buckets": sorted(plan.buckets),
+            "prefill_bucket": max(plan.buckets),  # the most tokens one call takes
+            "input_dtype": "float32",
+            "inputs": {"inputs_embeds": ["float32", [1, "T", int(cfg.hidden_size)]], "position_ids": ["int64", [1, "T"]]},
+            "outputs": {"logits": ["float32", [1, "T", int(cfg.vocab_size)]]},
+            "tp": tp,
+            "softcap_in_graph": False,
+            "sliding_window": window,
+            "kv_slots": {"sliding_attention": plan.ring_slots(window), "full_attention": plan.ring_slots(None)},
+            "graph_file": graph_file,
+            "quant": quant,
+            "weights": "separate" if weight_files else "inside",
+            "weight_files": list(weight_files or []),
+        }
     (out / "graph.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -1245,12 +1492,34 @@ class ContractDispatch(nn.Module):
         raise RuntimeError("no graph for this input shape: T must be 1 (decode) or the prefill bucket")
 
 
+class ContractDispatchV2(nn.Module):
+    """v2 routing by T: 1 -> decode, one of the buckets -> prefill, else an error (ModelBuilder refuses it too)."""
+
+    def __init__(self, core: nn.Module, buckets: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor):
+        t = inputs_embeds.size(1)
+        if t == 1:
+            return self.core.decode(inputs_embeds, position_ids)
+        if t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids)
+        raise RuntimeError("no graph for this input shape: T must be 1 (decode) or one of the prefill buckets")
+
+
 def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
-    """prefill (T=bucket) and decode (T=1) traced into one module over one set of KV buffers."""
-    max_total = model.plan.max_total
+    """prefill and decode (T=1) traced into one module over one set of KV buffers.
+
+    v1 traces prefill at its bucket. v2 traces it once at the smallest bucket and serves every bucket with it: the
+    traced ops take their sizes from the inputs (tests/test_recipe_v2.py runs each bucket against the eager module).
+    """
+    max_total, contract = model.plan.max_total, model.plan.contract
+    first = min(model.plan.buckets) if contract == "v2" else bucket
     inputs = {
-        "prefill": example_inputs(cfg, bucket, 0, max_total),
-        "decode": example_inputs(cfg, 1, bucket, max_total),
+        "prefill": example_inputs(cfg, first, 0, max_total, contract),
+        "decode": example_inputs(cfg, 1, first, max_total, contract),
     }
     # TorchScript is the contract (torch.jit.load on the server, as for Neuron's ModelBuilder output), so its
     # deprecation notices in recent torch are noise here.
@@ -1262,26 +1531,69 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
             if name in set(model.state_names):
                 buf.zero_()  # tracing ran the graphs once; ship empty caches
         model.reset_states()
+        if contract == "v2":
+            return torch.jit.script(ContractDispatchV2(traced, sorted(model.plan.buckets)))
         return torch.jit.script(ContractDispatch(traced, bucket))
+
+
+def strip_weights(scripted: torch.jit.ScriptModule, model: RecipeModel, prefix: str = "core.") -> None:
+    """--weights separate: leave the traced graph without weight data (KV states stay: they are zeros, not weights).
+
+    The traced ops read parameters by attribute, so the server puts the per-rank tensors back under the same names.
+    """
+    states = set(model.state_names)
+    for name, _ in model.named_parameters():
+        if name in states:
+            continue
+        owner_path, leaf = (prefix + name).rsplit(".", 1)
+        owner = functools.reduce(getattr, owner_path.split("."), scripted)  # ScriptModules lack get_submodule
+        setattr(owner, leaf, torch.empty(0, dtype=getattr(owner, leaf).dtype))
+
+
+def write_rank_weights(out: Path, model: RecipeModel, full: Mapping[str, torch.Tensor]) -> list[str]:
+    """One safetensors file per rank, named and keyed as NxD's ModelBuilder.shard_checkpoint writes them."""
+    from safetensors.torch import save_file
+
+    files = []
+    for rank in range(model.plan.tp):
+        rel = RANK_WEIGHTS.format(rank=rank)
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        save_file(shard_state_dict(model, full, rank, model.plan.tp), str(out / rel))
+        files.append(rel)
+    return files
+
+
+def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
+    values: dict = dict(tp=args.tp, quant=args.quant, max_total=args.max_total, contract=args.contract,
+                        buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant)
+    values.update(overrides)
+    return Plan(**values)
 
 
 def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path) -> dict:
     dtype = DTYPES[args.dtype or "float32"]
     if args.tp != 1:
         print(f"note: --target cpu runs on one rank; tp {args.tp} -> 1 (the split is exercised by the tests)")
-    plan = Plan(tp=1, quant=args.quant, dtype=dtype, max_total=args.max_total, experts=args.experts, attn_quant=args.attn_quant)
+    plan = plan_from_args(args, tp=1, dtype=dtype)
     model = build_model(cfg, plan)
-    load_rank(model, convert_checkpoint(reader, model))
+    full = convert_checkpoint(reader, model)
+    load_rank(model, full)
 
     # Run it once before tracing: a broken checkpoint shows up as non-finite logits, not a silent artifact.
+    first = min(plan.buckets)
     with torch.no_grad():
-        logits = model(*example_inputs(cfg, args.prefill_bucket, 0, args.max_total))[0]
-        step = model(*example_inputs(cfg, 1, args.prefill_bucket, args.max_total))[0]
+        logits = model(*example_inputs(cfg, first, 0, args.max_total, plan.contract))[0]
+        step = model(*example_inputs(cfg, 1, first, args.max_total, plan.contract))[0]
     if not (torch.isfinite(logits).all() and torch.isfinite(step).all()):
         raise RuntimeError("non-finite logits from the CPU module; refusing to write the artifact")
     model.reset_states()
 
     scripted = trace_cpu(model, cfg, args.prefill_bucket)
+    weight_files = None
+    if args.weights == "separate":
+        weight_files = write_rank_weights(out, model, full)
+        strip_weights(scripted, model)
+    del full
     torch.jit.save(scripted, str(out / "model.pt"))
     return write_graph_json(
         out,
@@ -1291,6 +1603,8 @@ def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path
         tp=1,
         graph_file="model.pt",
         quant=args.quant,
+        plan=plan,
+        weight_files=weight_files,
     )
 
 
@@ -1402,8 +1716,7 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         gather_last=mappings.gather_from_tensor_model_parallel_region,
     )
     dtype = DTYPES[args.dtype or "bfloat16"]
-    plan = Plan(tp=args.tp, quant=args.quant, dtype=dtype, max_total=args.max_total, kv_as_params=True, inplace_kv=False,
-                experts=args.experts, attn_quant=args.attn_quant)
+    plan = plan_from_args(args, dtype=dtype, kv_as_params=True, inplace_kv=False)
 
     class Instance(BaseModelInstance):
         """Builds the module per key and aliases its KV parameters to outputs 1.. (device-resident states)."""
@@ -1430,19 +1743,27 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         checkpoint_loader=checkpoint_loader,
         compiler_workdir=str(workdir),
     )
-    for key, t, start in (("prefill", args.prefill_bucket, 0), ("decode", 1, args.prefill_bucket)):
+    for key, t, start in graph_keys(plan):
         builder.add(
             key=key,
             model_instance=Instance(),
-            example_inputs=[example_inputs(cfg, t, start, args.max_total)],
+            example_inputs=[example_inputs(cfg, t, start, args.max_total, plan.contract)],
             compiler_args=args.compiler_args,  # None: NxD's defaults, on purpose (see NEURON_NOTES' comment)
         )
-    # Needs the NeuronCores: the sharded weights are written to the work dir and loaded onto the device here.
-    nxd_model = builder.trace(initialize_model_weights=True)
+    separate = args.weights == "separate"
+    # inside: needs the NeuronCores: the sharded weights are written to the work dir and loaded onto the device here.
+    # separate: the saved graph holds no weights; NxD writes each rank's shard, the server hands them to
+    # nxd_model.initialize(weights, start_rank) from memory-mapped files (no 27 GB pass through host RAM).
+    nxd_model = builder.trace(initialize_model_weights=not separate)
+    weight_files = None
+    if separate:
+        (out / RANK_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+        builder.shard_checkpoint(str((out / RANK_WEIGHTS).parent))
+        weight_files = [RANK_WEIGHTS.format(rank=r) for r in range(args.tp)]
     torch.jit.save(nxd_model, str(out / "sqz_neff.pt"))
     converted.clear()
     # Before graph.json: a badly sharded build must not look like a complete artifact directory.
-    check_sharded_checkpoint(template, workdir, args.tp)
+    check_sharded_checkpoint(template, (out / RANK_WEIGHTS).parent if separate else workdir, args.tp)
     record = write_graph_json(
         out,
         cfg=cfg,
@@ -1451,6 +1772,8 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         tp=args.tp,
         graph_file="sqz_neff.pt",
         quant=args.quant,
+        plan=plan,
+        weight_files=weight_files,
     )
     if not args.keep_compiler_workdir:
         shutil.rmtree(workdir)  # ~26.7 GB of sharded weights + NEFFs; sqz_neff.pt carries the weights itself
@@ -1462,6 +1785,16 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def bucket_list(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one bucket")
+    return values
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=NEURON_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1470,38 +1803,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="artifact directory to write")
     p.add_argument("--target", choices=("neuron", "cpu"), default="neuron")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--max-total", type=int, default=512, help="KV slots (MAX)")
-    p.add_argument("--prefill-bucket", type=int, default=128, help="prefill chunk length (BUCKET)")
+    p.add_argument("--contract", choices=("v1", "v2"), default="v1", help="graph contract (see the module doc)")
+    p.add_argument("--max-total", type=int, default=512, help="KV slots (MAX): prompt + completion")
+    p.add_argument("--prefill-bucket", type=int, default=128, help="prefill chunk length (one bucket)")
+    p.add_argument("--prefill-buckets", type=bucket_list, default=None,
+                   help="v2: several prefill chunk lengths, e.g. 128,512 (replaces --prefill-bucket)")
     p.add_argument("--quant", choices=QUANT_MODES, default="int8")
     p.add_argument("--experts", choices=EXPERT_MODES, default="dense",
                    help="selective: graphs of few tokens (decode) read only the routed experts (see --roofline)")
     p.add_argument("--attn-quant", choices=QUANT_MODES, default="none", help="int8: attention projections too")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
+    p.add_argument("--weights", choices=("inside", "separate"), default="inside",
+                   help="v2: 'separate' traces the graph without weights and writes one safetensors file per rank")
     p.add_argument("--compiler-args", default=None,
                    help="neuronx-cc flags (default: NxD ModelBuilder's, --auto-cast=none --model-type=transformer -O1)")
     p.add_argument("--keep-compiler-workdir", action="store_true",
                    help="--target neuron: keep OUT/compiler_workdir (sharded weights + NEFFs, ~26.7 GB for the 26B)")
-    p.add_argument("--residency", action="store_true", help="print per-rank device memory by component and exit")
-    p.add_argument("--config", type=Path, help="config.json for --residency")
-    p.add_argument("--roofline", action="store_true",
-                   help="print per-rank bytes read per decoded token, dense vs selective, and projected tok/s; exit")
-    p.add_argument("--bench-experts", action="store_true",
-                   help="measure the CPU-traced decode step, dense vs selective experts, on a 128-expert config; exit")
-    p.add_argument("--steps", type=int, default=16, help="with --bench-experts: timed decode steps per graph")
-    p.add_argument("--threads", type=int, default=1,
-                   help="with --bench-experts: torch CPU threads (1: steadiest on a shared machine)")
-    p.add_argument("--json", action="store_true", help="with a report mode: last line is one JSON object")
+    reports = p.add_argument_group("reports (no artifact is written)")
+    reports.add_argument("--residency", action="store_true", help="print per-rank device memory by component")
+    reports.add_argument("--check-lowering", action="store_true",
+                         help="lower every graph on torch-xla (CPU PJRT) with random weights: aten:: fallbacks and "
+                              "compilations per call. Necessary for neuronx-cc, not sufficient")
+    reports.add_argument("--roofline", action="store_true",
+                         help="per-rank bytes read per decoded token, dense vs selective, and projected tok/s")
+    reports.add_argument("--bench-experts", action="store_true",
+                         help="measure the CPU-traced decode step, dense vs selective experts, on a 128-expert config")
+    reports.add_argument("--steps", type=int, default=16, help="with --bench-experts: timed decode steps per graph")
+    reports.add_argument("--threads", type=int, default=1,
+                         help="with --bench-experts: torch CPU threads (1: steadiest on a shared machine)")
+    reports.add_argument("--config", type=Path, help="config.json for the reports")
+    reports.add_argument("--json", action="store_true", help="any report: its last line is one JSON object")
     args = p.parse_args(argv)
-    if args.residency or args.roofline:
+    if args.prefill_buckets is None:
+        args.prefill_buckets = [args.prefill_bucket]
+    else:
+        if args.contract != "v2" and len(args.prefill_buckets) > 1:
+            p.error("several --prefill-buckets need --contract v2 (v1 has one prefill graph)")
+        args.prefill_bucket = max(args.prefill_buckets)
+    if args.weights == "separate" and args.contract != "v2":
+        p.error("--weights separate needs --contract v2")
+    if not (min(args.prefill_buckets) > 1 and max(args.prefill_buckets) <= args.max_total):
+        p.error("need 1 < every prefill bucket <= --max-total")
+    if args.residency and (args.experts, args.attn_quant) != ("dense", "none"):
+        p.error("--residency accounts dense experts and bf16 attention only; --roofline covers both paths and --attn-quant")
+    if args.residency or args.check_lowering or args.roofline:
+        if args.config is None and args.checkpoint is None:
+            p.error("reports need --config CONFIG_JSON (or --checkpoint DIR)")
         if args.config is None:
-            p.error("--residency and --roofline need --config CONFIG_JSON")
-        if args.residency and (args.experts, args.attn_quant) != ("dense", "none"):
-            p.error("--residency accounts dense experts and bf16 attention only; --roofline covers both paths and --attn-quant")
-    elif not args.bench_experts:  # a build
-        if args.checkpoint is None or args.out is None:
-            p.error("--checkpoint and --out are required (or use --residency)")
-        if not 1 < args.prefill_bucket <= args.max_total:
-            p.error("need 1 < --prefill-bucket <= --max-total")
+            args.config = args.checkpoint / "config.json"
+    elif args.bench_experts:
+        pass  # builds its own config
+    elif args.checkpoint is None or args.out is None:
+        p.error("--checkpoint and --out are required (or use a report: --residency, --check-lowering, --roofline)")
     return args
 
 
@@ -1509,9 +1862,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.residency:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
-        sizes = residency(cfg, args.tp, args.quant, args.max_total)
-        print_residency(sizes, args.tp, args.quant, args.max_total, args.json)
+        sizes = residency(cfg, args.tp, args.quant, args.max_total, contract=args.contract,
+                          buckets=tuple(args.prefill_buckets))
+        print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract)
         return 0
+    if args.check_lowering:
+        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        report = check_lowering(cfg, plan_from_args(args, dtype=DTYPES[args.dtype or "float32"]))
+        print_lowering(report, args.json)
+        return 0 if report["pass"] else 1
     if args.roofline:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket)

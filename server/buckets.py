@@ -1,0 +1,70 @@
+"""Prefill planning: which graph calls cover a prompt, given the graph's prefill buckets.
+
+A compiled graph takes T = one of its buckets (or 1) and a shorter chunk is padded up to the smallest bucket that
+holds it. Covering n tokens costs one call per chunk and pads whatever the buckets hold beyond n; a call costs
+far more than a padded row, so the plan takes the fewest calls, then the least padding. Only the last chunk is
+padded (every other chunk fills its bucket exactly).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+__all__ = ["buckets_of", "chunk_spans", "plan_chunks"]
+
+
+def buckets_of(graph: object) -> tuple[int, ...]:
+    """A graph's prefill buckets: `prefill_buckets` when it has several, else its single `prefill_bucket`."""
+    buckets = getattr(graph, "prefill_buckets", None) or (graph.prefill_bucket,)  # type: ignore[attr-defined]
+    return tuple(sorted(set(buckets)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(count: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    # Fewest calls: k = ceil(n / L) with L the largest bucket (nothing covers n with fewer). Least padding among
+    # k-call covers: start from k x L (padding D = kL - n < L) and swap some L for smaller buckets, each swap
+    # giving back L - b; take the largest total give-back <= D reachable with at most k swaps. A knapsack over
+    # D < L values, so cheap whatever the prompt length.
+    largest = buckets[-1]
+    k = -(-count // largest)
+    spare = k * largest - count  # D
+    gives = [largest - b for b in buckets[:-1]]
+    inf = k + 1
+    swaps = [0] + [inf] * spare  # swaps[d]: fewest swaps giving back exactly d
+    last = [0] * (spare + 1)
+    for d in range(1, spare + 1):
+        for g in gives:
+            if g <= d and swaps[d - g] + 1 < swaps[d]:
+                swaps[d], last[d] = swaps[d - g] + 1, g
+    best = max(d for d in range(spare + 1) if swaps[d] <= k)
+    sizes = []
+    d = best
+    while d:
+        sizes.append(largest - last[d])
+        d -= last[d]
+    sizes += [largest] * (k - len(sizes))
+    sizes.sort(reverse=True)
+    sizes[-1] -= spare - best  # the padding goes to the last chunk
+    return tuple(sizes)
+
+
+def plan_chunks(count: int, buckets: Sequence[int]) -> list[int]:
+    """Chunk lengths (real tokens, in order) covering `count` tokens: fewest calls, then least padding."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if not buckets or min(buckets) < 1:
+        raise ValueError(f"buckets must be positive, got {buckets!r}")
+    if count == 0:
+        return []
+    return list(_plan(count, tuple(sorted(set(buckets)))))
+
+
+def chunk_spans(start: int, stop: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """[begin, end) spans covering positions start..stop-1, planned by `plan_chunks`."""
+    spans = []
+    begin = start
+    for length in plan_chunks(stop - start, buckets):
+        spans.append((begin, begin + length))
+        begin += length
+    return spans
