@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import shutil
@@ -294,8 +293,7 @@ def test_roofline_of_26b_a4b(tmp_path, capsys):
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_served_selective_build_matches_generate(tmp_path, quant):
-    from server.engine import Engine
-    from server.runtime import graph_loader, load_host
+    from server.runtime import build_engine, load_host
     from tests.models import tokenizer_dir
     from tests.test_recipe_served import expected, prompt_ids, run
 
@@ -311,12 +309,10 @@ def test_served_selective_build_matches_generate(tmp_path, quant):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     host = load_host(out, "jit")
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, graph_loader(host))
+    engine = build_engine(host)
     engine.start()
     try:
-        while engine.state == "loading":
-            asyncio.run(asyncio.sleep(0.05))
-        assert engine.state == "ok", engine.state_reason
+        assert engine.wait_ready(120), engine.state_reason
         eos = frozenset(host.structure.eos_token_ids)
         prompt = prompt_ids(2 * BUCKET + 5, seed=11)
         ids, finish = run(engine, prompt, 16)

@@ -27,11 +27,11 @@ import torch
 
 from server.artifacts import GraphSpec, validate
 from server.buckets import plan_chunks
-from server.engine import Completion, Engine, Finish, GenerationRequest
+from server.engine import Engine
 from server.errors import ArtifactError
+from server.generation import Completion, Finish, GenerationRequest, SamplingParams
 from server.graphs.jit import JitGraphV2
-from server.runtime import Host, graph_loader, load_host
-from server.sampling import SamplingParams
+from server.runtime import Host, build_engine, graph_loader, load_host
 from tests.models import tiny_gemma4_checkpoint
 from tests.recipe_helpers import SCRIPT
 
@@ -82,11 +82,9 @@ def artifacts(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def start(host: Host) -> Engine:
-    engine = Engine(host.embedding, host.tokenizer, host.structure.eos_token_ids, graph_loader(host))
+    engine = build_engine(host)
     engine.start()
-    while engine.state == "loading":
-        asyncio.run(asyncio.sleep(0.05))
-    assert engine.state == "ok", engine.state_reason
+    assert engine.wait_ready(120), engine.state_reason
     return engine
 
 
@@ -100,7 +98,7 @@ def served(artifacts: Path) -> Iterator[tuple[Host, Engine]]:
 
 def run(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], Finish]:
     async def go() -> Completion:
-        return await engine.submit(GenerationRequest(tuple(prompt), n, GREEDY)).result()
+        return await engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=n, sampling=GREEDY)).result()
 
     completion = asyncio.run(go())
     return completion.token_ids, completion.finish
