@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.config import OPTIONS
+from server.config import OPTIONS, Settings
 from tests.api_fixtures import live_server, settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_probes_tolerate_the_load_and_grace_exceeds_the_drain() -> None:
 
     pod = manifests()["Deployment"]["spec"]["template"]["spec"]
     pause = int(spec["lifecycle"]["preStop"]["exec"]["command"][-1])
-    default_grace = next(o.default for o in OPTIONS if o.env == "SHUTDOWN_GRACE")
+    default_grace = Settings().shutdown_grace_s
     drain = float(env().get("SHUTDOWN_GRACE") or default_grace)
     assert pod["terminationGracePeriodSeconds"] > pause + drain
     # liveness never fires during a drain (503 "draining" for at most the grace period)
