@@ -178,7 +178,7 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
             try:
                 return option.kind(text)
             except ValueError as exc:
-                raise argparse.ArgumentTypeError(f"{option.flag}: {exc}") from exc
+                raise argparse.ArgumentTypeError(str(exc)) from exc  # argparse names the flag itself
 
         parse.__name__ = option.name
         return parse
