@@ -1,5 +1,6 @@
-"""`serve(settings) -> int`, the composition root: load the host side, build the engine and the app (which is
-given only the engine and the model's facts), apply the process-wide policy, run uvicorn until SIGTERM.
+"""`serve(settings, listener) -> int`, the composition root: take the socket `listen()` bound before anything
+loaded, load the host side, build the engine and the app (which is given only the engine and the model's facts),
+apply the process-wide policy, run uvicorn on that socket until SIGTERM.
 
 SIGTERM (or Ctrl+C) drains instead of stopping at once: `/health` turns 503 "draining" (the load balancer
 stops sending), new requests get 503, requests in flight run to completion for up to `shutdown_grace_s`, the
@@ -73,7 +74,6 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
