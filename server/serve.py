@@ -101,7 +101,7 @@ def serve(settings: Settings, listener: socket.socket | None = None) -> int:
              listener.getsockname()[1])
     try:
         server.run(sockets=[listener])
-    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+    except SystemExit as exc:  # uvicorn exits 1 when its start-up fails (the port is already ours)
         return exc.code if isinstance(exc.code, int) else 1
     if server.drained is False:
         log.warning("some requests were cancelled at shutdown")
