@@ -8,41 +8,64 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
+from server.artifacts import DEFAULT_REPO
 from server.config import GRAPH_KINDS, Settings, add_options
+
+DEMO_GRAPHS = ("hf", "null")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (the full usage of `serve` is 18 lines that hide the error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    parser = _Parser(
+        prog="python -m server",
+        description="An OpenAI-compatible server for Gemma-4 26B-A4B on inf2.xlarge. Try it on any machine with "
+                    "`python -m server demo`; `python -m server COMMAND --help` lists a command's flags.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve an artifact directory over the OpenAI-compatible HTTP API")
     add_options(serve)
 
     demo = sub.add_parser("demo", help="serve the embedded Gemma-3 270M on CPU (exported once into a cache)")
+    demo.add_argument("--graph", dest="demo_graph", choices=DEMO_GRAPHS, default="hf",
+                      help="hf: the real 270M model on CPU; null: instant stand-in logits (the API without a model, "
+                           "with --null-step-ms for a simulated device) (default: hf)")
     add_options(demo, names=tuple(n for n in Settings.__slots__ if n not in ("artifacts", "graph")))
 
     check = sub.add_parser("check", help="exit 0 if the artifact directory is complete for the graph, else say why")
-    check.add_argument("--artifacts", required=True, type=Path)
-    check.add_argument("--graph", default="auto", choices=GRAPH_KINDS)
+    check.add_argument("--artifacts", required=True, type=Path, help="the artifact directory to check")
+    check.add_argument("--graph", default="auto", choices=GRAPH_KINDS,
+                       help="the graph kind it must serve; auto: the compiled graph if present, else hf (default: auto)")
 
     fetch = sub.add_parser("fetch", help="download the artifacts of a Hugging Face repo, then validate them")
-    fetch.add_argument("--repo", required=True)
-    fetch.add_argument("--dest", required=True, type=Path)
-    fetch.add_argument("--revision", default=None)
-    fetch.add_argument("--graph", default="auto", choices=GRAPH_KINDS)
+    fetch.add_argument("--repo", required=True, help=f"Hugging Face repo id (the published build: {DEFAULT_REPO})")
+    fetch.add_argument("--dest", required=True, type=Path,
+                       help="directory to download into (created; a directory of its own, not another model's)")
+    fetch.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    fetch.add_argument("--graph", default="auto", choices=GRAPH_KINDS,
+                       help="the graph kind the download must serve, checked afterwards (default: auto)")
 
     export = sub.add_parser("export", help="a transformers checkpoint dir or .gguf file -> an artifact dir (hf graph)")
-    export.add_argument("--from", dest="source", required=True, type=Path)
-    export.add_argument("--dest", required=True, type=Path)
-    export.add_argument("--prefill-bucket", type=int, default=128)
-    export.add_argument("--max-total", type=int, default=512)
-    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    export.add_argument("--from", dest="source", required=True, type=Path,
+                        help="a transformers checkpoint directory or a .gguf file")
+    export.add_argument("--dest", required=True, type=Path, help="the artifact directory to write")
+    export.add_argument("--prefill-bucket", type=int, default=128, help="prompt chunk length, tokens (default: 128)")
+    export.add_argument("--max-total", type=int, default=512,
+                        help="context: prompt + completion, tokens (default: 512)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and embedding table dtype (default: float32)")
 
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
     bench.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     add_options(bench, names=("cache_dir",))  # where the real-size table is cached
-    bench.add_argument("--tokens", type=int, default=200, help="generated tokens per measured stream")
+    bench.add_argument("--tokens", type=int, default=200, help="generated tokens per measured stream (default: 200)")
     return parser
 
 
@@ -93,18 +116,23 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _setup_logging("warning")
         return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens)
     _setup_logging(settings.log_level)
+    from server.serve import listen, serve
+
+    try:  # before anything loads (the demo's first export takes minutes): a taken port fails in a second
+        listener = listen(settings.host, settings.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if args.command == "demo":
         from dataclasses import replace
 
         from server.demo import demo_artifacts
 
         root = demo_artifacts(settings.cache_dir)
-        settings = replace(settings, artifacts=root, graph="hf",
+        settings = replace(settings, artifacts=root, graph=args.demo_graph,
                            served_model_name=settings.served_model_name or "gemma-3-270m")
 
-    from server.serve import serve
-
-    return serve(settings)
+    return serve(settings, listener)
 
 
 if __name__ == "__main__":

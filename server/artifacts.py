@@ -251,10 +251,20 @@ def validate(root: Path | str, graph: str = "auto", *, deep: bool = True) -> Art
     if problems:
         listing = "\n  - ".join(problems)
         raise ArtifactError(
-            f"artifact directory {art.root} is not usable for --graph {kind}:\n  - {listing}\n"
-            + _HOW_TO_GET.format(repo=DEFAULT_REPO, dir=art.root)
+            f"artifact directory {art.root} is not usable for --graph {kind}:\n  - {listing}\n" + _hint(art, kind)
         )
     return art
+
+
+def _hint(art: ArtifactDir, kind: str) -> str:
+    """How to get what is missing. A directory that already serves another graph kind (the demo's export serves
+    `hf`) is someone's artifact dir: point at that kind, and fetch or export into a directory of its own."""
+    serves = [k for k, present in (("jit", art.graph_file is not None), ("hf", (art.hf / "config.json").is_file()))
+              if present and k != kind]
+    if not serves:
+        return _HOW_TO_GET.format(repo=DEFAULT_REPO, dir=art.root)
+    return (f"{art.root} holds an artifact dir for --graph {' or '.join(serves)}: serve it that way (or with --graph "
+            f"auto). For --graph {kind}, use a directory of its own: " + _HOW_TO_GET.format(repo=DEFAULT_REPO, dir="NEW_DIR"))
 
 
 def _check_embedding(path: Path, config: dict[str, Any] | None) -> str | None:

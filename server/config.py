@@ -54,6 +54,18 @@ def _switch(text: str) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise ValueError(f"must be a TCP port, 1..65535, got {value}")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list (CORS origins, methods, headers); blanks dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _graph_kind(text: str) -> str:
     if text not in GRAPH_KINDS:
         raise ValueError(f"must be one of {', '.join(GRAPH_KINDS)}, got {text!r}")
@@ -82,7 +94,7 @@ class Settings:
     graph: str = _setting("--graph", "GRAPH", _graph_kind, "auto",
                           "graph kind: auto (compiled graph if present, else hf), jit, hf, null")
     host: str = _setting("--host", "HOST", str, "127.0.0.1", "bind address (the container sets 0.0.0.0)")
-    port: int = _setting("--port", "PORT", int, 8080, "TCP port")
+    port: int = _setting("--port", "PORT", _port, 8080, "TCP port (1..65535; bound before anything loads)")
     api_key: str | None = _setting("--api-key", "API_KEY", str, None, "require this key (Authorization: Bearer or "
                                    "X-Api-Key); /health, /metrics stay open", repr=False)
     api_key_file: Path | None = _setting("--api-key-file", "API_KEY_FILE", Path, None,
@@ -116,6 +128,16 @@ class Settings:
                                    "with --graph null: simulated device time per graph call, ms (benchmarks)")
     no_ui: bool = _setting("--no-ui", "NO_UI", _switch, False, "do not serve the chat page at / (404 there); the env takes 1/0 "
                            "(true/false, yes/no, on/off)", shown="off")
+
+    allowed_origins: tuple[str, ...] = _setting(
+        "--allowed-origins", "ALLOWED_ORIGINS", _names, (), "CORS: comma-separated origins whose browser pages may call "
+        "the API (e.g. https://chat.example.com), or *; none: CORS off", shown="none")
+    allowed_methods: tuple[str, ...] = _setting("--allowed-methods", "ALLOWED_METHODS", _names, ("GET", "POST"),
+                                                "CORS: methods allowed to those origins, comma-separated, or *",
+                                                shown="GET,POST")
+    allowed_headers: tuple[str, ...] = _setting("--allowed-headers", "ALLOWED_HEADERS", _names, ("*",),
+                                                "CORS: request headers allowed to those origins, comma-separated, or *",
+                                                shown="*")
 
     def __post_init__(self) -> None:
         _graph_kind(self.graph)
@@ -156,7 +178,7 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
             try:
                 return option.kind(text)
             except ValueError as exc:
-                raise argparse.ArgumentTypeError(f"{option.flag}: {exc}") from exc
+                raise argparse.ArgumentTypeError(str(exc)) from exc  # argparse names the flag itself
 
         parse.__name__ = option.name
         return parse

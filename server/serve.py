@@ -1,5 +1,6 @@
-"""`serve(settings) -> int`, the composition root: load the host side, build the engine and the app (which is
-given only the engine and the model's facts), apply the process-wide policy, run uvicorn until SIGTERM.
+"""`serve(settings, listener) -> int`, the composition root: take the socket `listen()` bound before anything
+loaded, load the host side, build the engine and the app (which is given only the engine and the model's facts),
+apply the process-wide policy, run uvicorn on that socket until SIGTERM.
 
 SIGTERM (or Ctrl+C) drains instead of stopping at once: `/health` turns 503 "draining" (the load balancer
 stops sending), new requests get 503, requests in flight run to completion for up to `shutdown_grace_s`, the
@@ -61,7 +62,24 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: Settings) -> int:
+def listen(host: str, port: int) -> socket.socket:
+    """The bound listening socket, made before anything loads: a taken port or a bad address fails at once, not after
+    the graph load. uvicorn is handed the socket (its own bind would come only after the app is built)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse a TIME_WAIT port
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(settings: Settings, listener: socket.socket | None = None) -> int:
+    """Serve until SIGTERM; `listener` is the socket from `listen()` (made here when not given)."""
+    listener = listener or listen(settings.host, settings.port)
     with collector_paused():  # the engine freezes start-up's objects out of the collector once the graph is in
         from server.api.app import create_app
         from server.runtime import build_engine, load_host
@@ -70,6 +88,7 @@ def serve(settings: Settings) -> int:
             host = load_host(settings.artifacts, settings.graph, settings.served_model_name, settings.cache_dir)
         except ArtifactError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            listener.close()
             return 1
         release_freed_memory()
         engine = build_engine(host, settings)
@@ -78,10 +97,11 @@ def serve(settings: Settings) -> int:
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5, server_header=False)
     server = DrainingServer(config, app.state.drain, settings.shutdown_grace_s)
-    log.info("serving %s (%s graph) on http://%s:%d", host.model_name, host.graph_kind, settings.host, settings.port)
+    log.info("serving %s (%s graph) on http://%s:%d", host.model_name, host.graph_kind, settings.host,
+             listener.getsockname()[1])
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        server.run(sockets=[listener])
+    except SystemExit as exc:  # uvicorn exits 1 when its start-up fails (the port is already ours)
         return exc.code if isinstance(exc.code, int) else 1
     if server.drained is False:
         log.warning("some requests were cancelled at shutdown")

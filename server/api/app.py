@@ -11,6 +11,10 @@ Deliberate choices:
   other. `/health` and `/metrics` stay open (load balancers and scrapers carry no key), and so does the chat page
   at `/` (it holds no secret; it asks for the key when the API says 401).
 - Middlewares are plain ASGI (not `BaseHTTPMiddleware`), so streams and disconnect detection pass untouched.
+- CORS (off unless `allowed_origins` is set) is Starlette's `CORSMiddleware`, wrapped around the whole stack,
+  Starlette's own outermost error middleware included: every answer carries the CORS headers, a 500 too (a browser
+  cannot read an error it is not allowed to see). A preflight is answered there, before auth (browsers send no
+  credentials on it); the real request still needs the key.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -77,7 +82,9 @@ def _clip(text: str, limit: int) -> str:
 
 
 class RequestIdMiddleware:
-    """Takes the client's `X-Request-Id` (if sane) or makes one; puts it in `request.state` and every response."""
+    """Takes the client's `X-Request-Id` (if sane) or makes one; puts it in `request.state` and every response.
+
+    Also puts a fresh `completion_id` in `request.state`, unique per request whatever the client sends."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -87,8 +94,11 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        fresh = uuid.uuid4().hex
+        request_id = given if _REQUEST_ID.fullmatch(given) else fresh
+        # The client's id is echoed, never reused as a completion id: a client that sends one value twice must still
+        # get two distinct `chatcmpl-`/`cmpl-` ids. Without a client id, the two are the same fresh one.
+        scope.setdefault("state", {}).update(request_id=request_id, completion_id=fresh)
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -117,6 +127,27 @@ def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
         return await endpoint(request)
 
     return guarded
+
+
+class _App(Starlette):
+    """Starlette with CORS (when configured) outside its whole middleware stack, error middleware included."""
+
+    def __init__(self, *args: object, cors: dict[str, object] | None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._cors = cors
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        return CORSMiddleware(stack, **self._cors) if self._cors else stack  # type: ignore[arg-type]
+
+
+def _cors(settings: Settings) -> dict[str, object] | None:
+    if not settings.allowed_origins:
+        return None
+    # No credentials (cookies) are used: the key travels in a header, which the allowed headers must include.
+    return {"allow_origins": list(settings.allowed_origins), "allow_methods": list(settings.allowed_methods),
+            "allow_headers": list(settings.allowed_headers), "expose_headers": ["X-Request-Id", "Retry-After"],
+            "max_age": 600}
 
 
 def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starlette:
@@ -157,8 +188,9 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
         finally:
             await anyio.to_thread.run_sync(engine.stop)
 
-    app = Starlette(
+    app = _App(
         routes=routes,
+        cors=_cors(settings),
         middleware=[Middleware(MetricsMiddleware, metrics=metrics, routes=known), Middleware(RequestIdMiddleware)],
         exception_handlers={APIError: error_response, HTTPException: error_response, Exception: error_response},
         lifespan=lifespan,

@@ -294,7 +294,7 @@ class OpenAIRoutes:
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = self._sampling(body, top_logprobs)
         ids = await self.prompts.chat_ids(body.messages)
-        response_id = f"chatcmpl-{request.state.request_id}"
+        response_id = f"chatcmpl-{request.state.completion_id}"
         handle = self._submit(ids, body.token_limit, "messages", sampling=sampling, stop=body.stop,
                               request_id=response_id)
         fmt = ChatFormat(self.prompts, response_id, model, top_logprobs is not None)
@@ -316,7 +316,7 @@ class OpenAIRoutes:
             ids = list(body.prompt)
             self.prompts.check_token_ids(ids, "prompt")
             prompt_text = await self.prompts.decode(ids) if body.echo else ""
-        response_id = f"cmpl-{request.state.request_id}"
+        response_id = f"cmpl-{request.state.completion_id}"
         handle = self._submit(ids, body.token_limit, "prompt", sampling=sampling, stop=body.stop,
                               request_id=response_id)
         fmt = CompletionFormat(self.prompts, response_id, model, body.logprobs is not None,
@@ -329,7 +329,7 @@ class OpenAIRoutes:
         body = parse(GenerateRequest, await self._body(request))
         ids = await self.prompts.chat_ids([Message(role="user", content=body.prompt)])
         handle = self._submit(ids, body.max_new_tokens, "prompt", sampling=SamplingParams(temperature=0.0),
-                              request_id=f"gen-{request.state.request_id}")
+                              request_id=f"gen-{request.state.completion_id}")
         try:
             done = await self.service.collect(request, handle)
         except ClientGone:
