@@ -1809,8 +1809,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-buckets", type=bucket_list, default=None,
                    help="v2: several prefill chunk lengths, e.g. 128,512 (replaces --prefill-bucket)")
     p.add_argument("--quant", choices=QUANT_MODES, default="int8")
-    p.add_argument("--experts", choices=EXPERT_MODES, default="dense",
-                   help="selective: graphs of few tokens (decode) read only the routed experts (see --roofline)")
+    p.add_argument("--experts", choices=EXPERT_MODES, default=None,
+                   help="selective: graphs of few tokens (decode) read only the routed experts (see --roofline); "
+                        "default: selective for --contract v2, dense for v1 (the published build)")
     p.add_argument("--attn-quant", choices=QUANT_MODES, default="none", help="int8: attention projections too")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
     p.add_argument("--weights", choices=("inside", "separate"), default="inside",
@@ -1844,8 +1845,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--weights separate needs --contract v2")
     if not (min(args.prefill_buckets) > 1 and max(args.prefill_buckets) <= args.max_total):
         p.error("need 1 < every prefill bucket <= --max-total")
-    if args.residency and (args.experts, args.attn_quant) != ("dense", "none"):
-        p.error("--residency accounts dense experts and bf16 attention only; --roofline covers both paths and --attn-quant")
+    if args.experts is None:
+        args.experts = "selective" if args.contract == "v2" else "dense"
+    if args.residency and args.attn_quant != "none":
+        # (selective experts hold the same bytes as dense ones: only what a decode step reads differs)
+        p.error("--residency accounts bf16 attention only; --roofline covers --attn-quant")
     if args.residency or args.check_lowering or args.roofline:
         if args.config is None and args.checkpoint is None:
             p.error("reports need --config CONFIG_JSON (or --checkpoint DIR)")
