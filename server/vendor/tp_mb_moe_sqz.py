@@ -1082,6 +1082,8 @@ def check_lowering(cfg, plan: Plan) -> dict:
         "prefill_buckets": list(plan.buckets),
         "tp": plan.tp,
         "quant": plan.quant,
+        "experts": plan.experts,
+        "attn_quant": plan.attn_quant,
         "torch_xla": torch_xla.__version__,
         "graphs": graphs,
         "pass": all(g["pass"] for g in graphs),
@@ -1091,7 +1093,8 @@ def check_lowering(cfg, plan: Plan) -> dict:
 
 def print_lowering(report: Mapping, as_json: bool) -> None:
     print(f"lowering check on torch-xla {report['torch_xla']} (contract {report['contract']}, MAX={report['max_total']},"
-          f" buckets {report['prefill_buckets']}, tp={report['tp']} rank-local, quant={report['quant']}): "
+          f" buckets {report['prefill_buckets']}, tp={report['tp']} rank-local, quant={report['quant']},"
+          f" experts={report['experts']}, attn-quant={report['attn_quant']}): "
           f"{LOWERING_NOTE}")
     print(f"  {'graph':<14} {'T':>5} {'compiles 1st/2nd':>17}  aten:: fallbacks")
     for g in report["graphs"]:
