@@ -1116,7 +1116,7 @@ CHIP_BF16_FLOPS = 190e12  # Inferentia2 chip: 190 BF16 TFLOPS (the int8 weights 
 # The published xlarge build: dense experts, TP=2, int8 experts/shared MLP/lm_head, bf16 attention, MAX=512, and the
 # decode rate it reached on the device. Its efficiency (bytes it reads per token x 6 / 820 GiB/s) is the yardstick.
 PUBLISHED_TOK_S = 6.0
-PUBLISHED_PLAN = dict(tp=2, quant="int8", attn_quant="none", experts="dense", max_total=512)
+PUBLISHED_PLAN = dict(tp=2, quant="int8", attn_quant="none", experts="dense", max_total=512, contract="v1", buckets=(128,))
 # The v1 contract's KV traffic per decoded token: the one-hot blend reads and writes every slot, attention reads it.
 V1_KV_PASSES = 3
 
@@ -1152,7 +1152,8 @@ def selective_token_limit(cfg, tp: int, quant: str, dtype: torch.dtype = torch.b
 
 
 def bytes_read_per_token(model: RecipeModel, tokens: int = 1) -> dict[str, int]:
-    """Device bytes one rank reads for one graph call of ``tokens`` tokens, per component (weights + v1 KV)."""
+    """Device bytes one rank reads for one graph call of ``tokens`` tokens, per component (weights + KV: v1's blend
+    reads and writes every slot, v2's rings are read once by attention)."""
     states = set(model.state_names)
     sizes = dict.fromkeys(COMPONENTS, 0)
     for prefix, module in model.named_modules():
@@ -1163,8 +1164,8 @@ def bytes_read_per_token(model: RecipeModel, tokens: int = 1) -> dict[str, int]:
             nbytes = t.numel() * t.element_size()
             if isinstance(module, SelectiveExperts) and tokens <= module.selective_tokens:
                 nbytes = nbytes * tokens * module.top_k // module.num_experts  # N*K gathered expert slices
-            if component == "kv_cache":
-                nbytes *= V1_KV_PASSES
+            if component == "kv_cache" and model.plan.contract == "v1":
+                nbytes *= V1_KV_PASSES  # v2 writes O(T) slots by index: attention's one read is what counts
             sizes[component] += nbytes
     sizes["total"] = sum(sizes[c] for c in COMPONENTS)
     return sizes
@@ -1210,11 +1211,14 @@ def tp_split_comparison(cfg, tp: int, quant: str, dtype: torch.dtype = torch.bfl
     }
 
 
-def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, bucket: int) -> dict:
+def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, bucket: int, contract: str = "v1",
+             buckets: tuple[int, ...] | None = None) -> dict:
     """Per-rank bytes per decoded token by component, dense and selective, and the decode rates they project to."""
+    buckets = buckets or (bucket,)
 
     def model_for(**overrides) -> RecipeModel:
-        fields = dict(tp=tp, quant=quant, attn_quant=attn_quant, experts="dense", max_total=max_total) | overrides
+        fields = dict(tp=tp, quant=quant, attn_quant=attn_quant, experts="dense", max_total=max_total,
+                      contract=contract, buckets=buckets) | overrides
         return build_model(text_config, Plan(dtype=torch.bfloat16, kv_as_params=True, inplace_kv=False, **fields),
                            device="meta")
 
@@ -1239,7 +1243,10 @@ def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, 
         "quant": quant,
         "attn_quant": attn_quant,
         "max_total": max_total,
-        "kv_model": f"v1 contract at MAX={max_total}: every slot read and written by the blend, read by attention",
+        "kv_model": (f"v1 contract at MAX={max_total}: every slot read and written by the blend, read by attention"
+                     if contract == "v1" else
+                     f"v2 contract at MAX={max_total}: sliding rings of window + {max(buckets)} slots and global "
+                     f"layers' MAX + {max(buckets)}, read once by attention, written by index"),
         "chip": {"hbm_bytes_per_s": CHIP_HBM_BYTES_PER_S, "bf16_flops": CHIP_BF16_FLOPS},
         "published": {"tok_s_measured": PUBLISHED_TOK_S, "plan": PUBLISHED_PLAN,
                       "bytes_per_token_chip": published_bytes, "efficiency": round(efficiency, 4)},
@@ -1880,7 +1887,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["pass"] else 1
     if args.roofline:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
-        report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket)
+        report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket,
+                          args.contract, tuple(args.prefill_buckets))
         print_roofline(report, args.json)
         return 0
     if args.bench_experts:
