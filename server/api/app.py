@@ -152,6 +152,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()  # loads the graph on the device thread; /health says "loading" meanwhile
+        prompts.start_background_work()  # the grammar vocabulary, on its own thread (constrained requests wait for it)
         try:
             yield
         finally:
