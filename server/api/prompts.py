@@ -93,7 +93,11 @@ class Prompts:
         return self._render(inputs.messages, True, False, tools=inputs.tools, **inputs.template_kwargs), inputs
 
     def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-        return self._render([m.template_dict() for m in messages], add_generation_prompt, add_special_tokens)
+        try:
+            inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages])
+        except ProtocolError as exc:
+            raise invalid(exc.message, exc.param) from None
+        return self._render(inputs.messages, add_generation_prompt, add_special_tokens, **inputs.template_kwargs)
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
                 **template: Any) -> list[int]:
