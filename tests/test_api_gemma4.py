@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
 import pytest
 import torch
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 from server.export import export
 from server.graphs.base import Graph
@@ -331,3 +332,49 @@ def test_what_cannot_be_enforced_is_a_400(server: LiveServer) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+
+
+# ------------------------------------------------------------------ third-party clients, unmodified
+
+
+class Weather(BaseModel):
+    """Current weather in a city."""
+
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_openai_parse_with_a_pydantic_model(client: OpenAI) -> None:
+    r = client.chat.completions.parse(model=MODEL, messages=HI, response_format=Weather,  # type: ignore[arg-type]
+                                      temperature=1.0, seed=1, max_tokens=200)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, Weather)
+
+
+def test_langchain_bind_tools_and_structured_output(server: LiveServer) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", temperature=1.0, max_tokens=200,
+                     max_retries=0, seed=3)
+    message = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Paris?")
+    assert [call["name"] for call in message.tool_calls][:1] == ["get_weather"]
+    assert all(valid_call(call["name"], call["args"]) for call in message.tool_calls)
+    for method in ("function_calling", "json_schema"):
+        result = llm.with_structured_output(Weather, method=method).invoke("Weather in Paris?")
+        assert isinstance(result, Weather), (method, result)
+
+
+def test_litellm_completion_with_tools_and_response_format(server: LiveServer,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    import litellm
+
+    common = {"model": f"openai/{MODEL}", "api_base": f"{server.url}/v1", "api_key": "unused", "messages": HI,
+              "temperature": 1.0, "max_tokens": 200, "seed": 5}
+    r = litellm.completion(tools=TOOLS, tool_choice="required", **common)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    assert all(valid_call(c.function.name, json.loads(c.function.arguments)) for c in calls)
+    r = litellm.completion(response_format=Weather, **common)
+    assert r.choices[0].finish_reason == "stop"
+    Weather.model_validate_json(r.choices[0].message.content)
