@@ -572,7 +572,8 @@ class VocabLoader:
     readiness): `start()` is idempotent, `wait(timeout)` gives the vocabulary or None if it is not ready in time.
 
     Nothing is cached on disk: llguidance has no way to serialise a built tokenizer (LLTokenizer), so each start
-    builds it again (13-20 s for Gemma's 262k tokens on a 2-core host).
+    builds it again (13-20 s for Gemma's 262k tokens on a 2-core host). The constructor holds the GIL for most of
+    that (one ~10 s stall measured), which is why the server starts it together with the graph load.
     """
 
     def __init__(self, build: Any) -> None:

@@ -137,13 +137,25 @@ def _special_tokens(tokenizer: Any) -> list[str]:
     return [token.content for token in backend.get_added_tokens_decoder().values() if token.special]
 
 
+# One loader per tokenizer object in a process: apps built again around the same host (tests, the bench) share the
+# build, which takes seconds and holds the GIL for most of it (llguidance's Rust constructor).
+_LOADERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
 def _vocab_loader(model: ModelInfo) -> Any:
     from server.constraints import GrammarVocab, VocabLoader  # llguidance: imported by the API side only
+
+    key = (id(model.tokenizer), model.vocab_size, tuple(model.stop_token_ids))
+    cached = _LOADERS.get(key)
+    if cached is not None and cached[0] is model.tokenizer:
+        return cached[1]
 
     def build() -> GrammarVocab:
         return GrammarVocab.from_tokenizer(model.tokenizer, model.vocab_size, model.stop_token_ids)
 
-    return VocabLoader(build)
+    loader = VocabLoader(build)
+    _LOADERS[key] = (model.tokenizer, loader)
+    return loader
 
 
 def grammar_spec(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
