@@ -59,9 +59,11 @@ class ScriptedGraph:
         self.name = f"scripted-{inner.name}"
         self.script: list[int] | None = None
         self._step = 0
+        self.calls = 0
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        self.calls += 1
         logits = self.inner.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
         if self.script is None:
             return logits
@@ -215,6 +217,19 @@ def test_a_stream_cut_mid_call_ends_with_length_and_no_tool_call(server: LiveSer
         assert result["finish_reason"] == "length"
         assert not message.get("tool_calls")
         assert "get_weather" in message["content"] and '<|"|>' not in message["content"]  # kept, as text
+
+
+def test_a_finished_grammar_ends_without_another_device_step(server: LiveServer, host: Host, graph: ScriptedGraph,
+                                                             script: Callable[[str], None]) -> None:
+    document = '{"answer": 42}'
+    script(document + " and more text<turn|>")  # the model would go on; the grammar is complete after "}"
+    tokens = len(host.tokenizer.encode(document, add_special_tokens=False))
+    before = graph.calls
+    body = chat(server, response_format={"type": "json_object"}, max_tokens=50)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"] == document
+    assert body["usage"]["completion_tokens"] == tokens
+    assert graph.calls - before == tokens  # one prefill + one step per token after the first: none to sample eos
 
 
 def test_tool_round_trip_with_the_openai_client(client: OpenAI, host: Host, script: Callable[[str], None],
