@@ -270,7 +270,7 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", "--null-step-ms", str(step_ms),
-             "--cache-dir", str(cache_dir)],
+             "--cache-dir", str(cache_dir), "--lazy-grammar"],  # no grammar build disturbing the figures
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         import httpx

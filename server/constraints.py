@@ -601,6 +601,10 @@ class VocabLoader:
         self._done.set()
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def ready(self) -> bool:
         return self._done.is_set()
 
