@@ -270,7 +270,7 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", "--null-step-ms", str(step_ms),
-             "--cache-dir", str(cache_dir)],
+             "--cache-dir", str(cache_dir), "--lazy-grammar"],  # no grammar build disturbing the figures
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         import httpx
@@ -383,6 +383,10 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
 
     host = load_host(root, "null", cache_dir=cache_root)  # once, for the in-process parts (each server loads its own)
     results.update(measure_sampling())
+    from server.constraint_bench import measure_constraints
+
+    # Constrained decoding (response_format, forced tool calls): the mask's cost per token at V=262,144.
+    results.update(measure_constraints(host.tokenizer, vocab_size=VOCAB, stop_ids=host.stop_token_ids, repeats=2))
     results.update(measure_idle_floor())
     results.update(measure_engine(host, tokens))
     results.update(measure_prefix_reuse(host))

@@ -128,6 +128,9 @@ class Settings:
                                    "with --graph null: simulated device time per graph call, ms (benchmarks)")
     no_ui: bool = _setting("--no-ui", "NO_UI", _switch, False, "do not serve the chat page at / (404 there); the env takes 1/0 "
                            "(true/false, yes/no, on/off)", shown="off")
+    lazy_grammar: bool = _setting("--lazy-grammar", "LAZY_GRAMMAR", _switch, False, "build the grammar vocabulary "
+                                  "(structured output, forced tool calls) on the first request that needs it, not at "
+                                  "start-up: the build holds the GIL ~10 s; the env takes 1/0", shown="off")
 
     allowed_origins: tuple[str, ...] = _setting(
         "--allowed-origins", "ALLOWED_ORIGINS", _names, (), "CORS: comma-separated origins whose browser pages may call "

@@ -24,7 +24,9 @@ import torch
 
 from server.constraint_mask import TokenMask
 from server.constraints import Constraint, GrammarVocab, build_constraint
+from server.generation import SamplingParams
 from server.protocol.gemma4 import CALL_OPEN
+from server.sampling import Sampler
 
 PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -60,6 +62,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+SOFTCAP = 30.0  # Gemma's final-logit soft-cap: the sampler applies it to the allowed entries in the mask's pass
+
+
 def _walk(build: Any, documents: Sequence[list[int]], mask: TokenMask, logits: torch.Tensor,
           repeats: int) -> tuple[list[float], list[float], list[float]]:
     fill_ms, total_ms, cpu_ms = [], [], []
@@ -72,7 +77,7 @@ def _walk(build: Any, documents: Sequence[list[int]], mask: TokenMask, logits: t
                 cpu_start, start = time.thread_time(), time.perf_counter()
                 constraint.fill_mask(mask.bits)
                 filled = time.perf_counter()
-                mask.apply_filled_(row)
+                mask.apply_filled_(row, SOFTCAP)
                 done, cpu_done = time.perf_counter(), time.thread_time()
                 fill_ms.append((filled - start) * 1e3)
                 total_ms.append((done - start) * 1e3)
@@ -119,7 +124,35 @@ def measure_constraints(tokenizer: Any, *, vocab_size: int = 262_144, stop_ids: 
         # CPU time of this thread: what the step costs when no other process takes the core away.
         results[f"constraint_mask_apply_cpu_ms_p50_{name}"] = _percentile(cpu_ms, 50)
         results[f"constraint_mask_apply_cpu_ms_p99_{name}"] = _percentile(cpu_ms, 99)
+        plain, constrained = _sampler_walk(lambda request=request: build_constraint(vocab, **request), documents,
+                                           logits, vocab_size, repeats)
+        results["sampler_ms_p50_plain_greedy"] = _percentile(plain, 50)
+        results[f"sampler_ms_p50_constrained_greedy_{name}"] = _percentile(constrained, 50)
+        results[f"sampler_ms_p99_constrained_greedy_{name}"] = _percentile(constrained, 99)
     return results
+
+
+def _sampler_walk(build: Any, documents: Sequence[list[int]], logits: torch.Tensor, vocab_size: int,
+                  repeats: int) -> tuple[list[float], list[float]]:
+    """The whole sampler step (greedy), plain and constrained (mask + soft-cap + argmax + accept), per token, ms."""
+    params = SamplingParams(temperature=0.0)
+    plain_ms, constrained_ms = [], []
+    for _ in range(repeats):
+        for ids in documents:
+            constraint: Constraint = build()
+            plain = Sampler(params, vocab_size, [], SOFTCAP)
+            sampler = Sampler(params, vocab_size, [], SOFTCAP, constraint=constraint)
+            for token in ids:
+                start = time.perf_counter()
+                plain.sample(logits)
+                middle = time.perf_counter()
+                sampler.sample(logits)
+                constraint.accept(token)  # the document's token, as the model would have written it
+                sampler.accept(token)
+                done = time.perf_counter()
+                plain_ms.append((middle - start) * 1e3)
+                constrained_ms.append((done - middle) * 1e3)
+    return plain_ms, constrained_ms
 
 
 def main(argv: list[str]) -> int:

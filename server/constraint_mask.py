@@ -39,12 +39,13 @@ class TokenMask:
         self._plans: OrderedDict[bytes, MaskPlan] = OrderedDict()
         self._max_plans = plans
 
-    def apply_(self, constraint: Constraint, logits: torch.Tensor) -> torch.Tensor:
-        """Fill the mask from `constraint` and set the disallowed entries of `logits` ([V] float, modified) to -inf."""
+    def apply_(self, constraint: Constraint, logits: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+        """Fill the mask from `constraint` and set the disallowed entries of `logits` ([V] float, modified) to -inf.
+        `softcap`: also apply Gemma's soft-cap to the allowed entries (cap(-inf) is -30, so it cannot come after)."""
         constraint.fill_mask(self.bits)
-        return self.apply_filled_(logits)
+        return self.apply_filled_(logits, softcap)
 
-    def apply_filled_(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply_filled_(self, logits: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """Apply what is in `self.bits` now."""
         key = self.bits.tobytes()  # 32 KB at V=262,144: hashing it is ~20x cheaper than planning
         plan = self._plans.get(key)
@@ -54,7 +55,7 @@ class TokenMask:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        return apply_plan_(logits, plan)
+        return apply_plan_(logits, plan, softcap)
 
 
 def _ids(bits: np.ndarray, words: np.ndarray, value: int) -> np.ndarray:
@@ -80,12 +81,19 @@ def mask_plan(bits: np.ndarray, vocab_size: int) -> MaskPlan:
     return MaskPlan(False, torch.from_numpy(np.flatnonzero(~allowed)))
 
 
-def apply_plan_(logits: torch.Tensor, plan: MaskPlan) -> torch.Tensor:
+def apply_plan_(logits: torch.Tensor, plan: MaskPlan, softcap: float | None = None) -> torch.Tensor:
+    """-inf where the plan disallows; with `softcap`, cap * tanh(x / cap) on the allowed entries (only those, when
+    few are allowed)."""
     if plan.keep:
-        kept = logits.index_select(0, plan.ids)
+        kept = logits.index_select(0, plan.ids)  # (k,)
+        if softcap is not None:
+            kept.div_(softcap).tanh_().mul_(softcap)
         logits.fill_(float("-inf"))
         logits.index_copy_(0, plan.ids, kept)
-    elif len(plan.ids):
+        return logits
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)  # (V,)
+    if len(plan.ids):
         logits.index_fill_(0, plan.ids, float("-inf"))
     return logits
 

@@ -562,3 +562,61 @@ def _check_keys(schema: Mapping[str, Any], allowed: set[str], where: str) -> Non
     if unsupported:
         raise ConstraintError(f"{where}: JSON-schema keyword(s) {unsupported} are not supported in tool arguments "
                               "under a forced tool_choice", where)
+
+
+# --------------------------------------------------------------------- building the vocabulary in the background
+
+
+class VocabLoader:
+    """Builds the `GrammarVocab` once, on its own thread, after start-up (never on the device thread, never delaying
+    readiness): `start()` is idempotent, `wait(timeout)` gives the vocabulary or None if it is not ready in time.
+
+    Nothing is cached on disk: llguidance has no way to serialise a built tokenizer (LLTokenizer), so each start
+    builds it again (13-20 s for Gemma's 262k tokens on a 2-core host). The constructor holds the GIL for most of
+    that (one ~10 s stall measured), which is why the server starts it together with the graph load.
+    """
+
+    def __init__(self, build: Any) -> None:
+        self._build = build  # () -> GrammarVocab
+        self._vocab: GrammarVocab | None = None
+        self._error: str | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.build_s: float | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="grammar-vocab", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._vocab = self._build()
+        except Exception as exc:  # noqa: BLE001 - reported to every constrained request, the server keeps serving
+            self._error = f"{type(exc).__name__}: {exc}"
+        self.build_s = time.perf_counter() - start
+        self._done.set()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def wait(self, timeout: float) -> GrammarVocab | None:
+        """The vocabulary, or None when it is still building after `timeout`; raises RuntimeError if it failed."""
+        self.start()
+        if not self._done.wait(timeout):
+            return None
+        if self._vocab is None:
+            raise RuntimeError(f"the grammar vocabulary failed to build: {self._error}")
+        return self._vocab

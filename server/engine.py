@@ -353,12 +353,16 @@ class Engine:
                                         prefill_calls=prefill_calls))
             return
 
-        sampler = Sampler(request.sampling, graph.vocab_size, ids, graph.host_softcap)
+        constraint = request.constraint
+        sampler = Sampler(request.sampling, graph.vocab_size, ids, graph.host_softcap, constraint=constraint,
+                          stop_ids=sorted(self.eos_token_ids), min_tokens=request.min_tokens)
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens)
         stops = StopMatcher(request.stop)
         budget = min(request.max_new_tokens, graph.max_total - len(ids))
         generated = 0
         ttft: float | None = None
+        error: str | None = None
+        grammar_done = False  # ended by a finished constraint: what the detokenizer holds is still to be released
         while True:
             # [1, 1, V] -> [V]: calls are last_only, so this is the last position (one torch call, [0, -1] is two)
             result = sampler.sample(logits.reshape(-1))
@@ -369,13 +373,20 @@ class Engine:
                 ttft = time.monotonic() - handle.submitted
             logprob = (TokenLogprob(token, result.logprob, result.top_logprobs)
                        if result.logprob is not None else None)
-            if token in self.eos_token_ids:
+            if constraint is not None and not constraint.accept(token):
+                # The mask allowed nothing the grammar accepts (an llguidance error state): end, never emit it.
+                error = f"the output constraint rejected token {token}"
+                reason = "error"
+                break
+            if token in self.eos_token_ids and not request.ignore_eos:
                 handle.publish(Delta("", token, logprob))
                 reason = "stop"
                 break
             text, hit = stops.push(detok.push(token))
             delta = Delta(text, token, logprob)
-            reason = "stop" if hit else self._stop_reason(handle, generated, budget, deadline)
+            grammar_done = not hit and constraint is not None and constraint.is_finished
+            # A finished grammar allows only a stop id: no device step to sample it.
+            reason = "stop" if hit or grammar_done else self._stop_reason(handle, generated, budget, deadline)
             if reason is not None:
                 handle.publish(delta)
                 break
@@ -386,10 +397,15 @@ class Engine:
                                 publish=functools.partial(handle.publish, delta))
             self._cached.append(token)
 
+        if error is not None:
+            log.error("request %s: %s", request.request_id, error)
+            handle.publish(self._finish(handle, "error", len(ids), generated, reused_tokens=reused,
+                                        prefill_calls=prefill_calls, ttft_s=ttft, error=error))
+            return
         timed_out = reason == "timeout"
         if timed_out:
             reason = "length"
-        if reason != "stop":
+        if reason != "stop" or grammar_done:
             # Release what the detokenizer and the stop matcher were holding back for a continuation.
             tail, hit = stops.push(detok.flush())
             if hit:

@@ -49,6 +49,20 @@ class GenerationRequest:
     request_id: str = ""
     timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
     skip_special_tokens: bool = True
+    # What the output may be, as a vocabulary mask each step (server.constraints.Constraint; None = free text, zero
+    # cost). Stateful: one per request, advanced by the engine with every token it accepts.
+    constraint: TokenConstraint | None = None
+    ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
+    min_tokens: int = 0  # stop ids are masked out until this many tokens were generated
+
+
+class TokenConstraint(Protocol):
+    """What the sampler and the engine need of a constraint (server.constraints.Constraint is one)."""
+
+    def fill_mask(self, bitmask: Any) -> None: ...
+    def accept(self, token_id: int) -> bool: ...
+    @property
+    def is_finished(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +192,7 @@ class ModelInfo:
     # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
     # server.tokenizer.HostTokenizer's serving surface
     tokenizer: Any
+    stop_token_ids: tuple[int, ...] = ()  # eos and the generation config's other stop ids
 
 
 class EngineAPI(Protocol):

@@ -49,7 +49,20 @@ class Host:
     def info(self) -> ModelInfo:
         """What the HTTP layer is told about the model."""
         return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
-                         generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer)
+                         generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer,
+                         stop_token_ids=self.stop_token_ids)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """eos and the generation config's stops, plus the stops of the model's chat protocol (Gemma-4: `<turn|>` and
+        `<|tool_response>`, where the model waits for a tool's result), whatever generation_config.json lists."""
+        from server.protocol.gemma4 import STOP_TOKENS, is_gemma4
+
+        ids = list(self.structure.eos_token_ids)
+        vocab = self.tokenizer.get_vocab()
+        if is_gemma4(vocab):
+            ids += [vocab[text] for text in STOP_TOKENS]
+        return tuple(dict.fromkeys(ids))
 
 
 def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None,
@@ -107,7 +120,7 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
     return Engine(
         host.embedding,
         host.tokenizer,
-        host.structure.eos_token_ids,
+        host.stop_token_ids,
         load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
         max_queue=settings.max_queue,
         request_timeout_s=settings.request_timeout_s,

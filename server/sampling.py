@@ -17,6 +17,11 @@ token's sampling cost matters. Order of operations (each step sees the previous 
     9. draw                            inverse CDF: one uniform from the request's own torch.Generator
                                        (seeded => reproducible), searched in the kept prefix sums
 
+A request's constraint (server/constraints.py) is applied between 2 and 3: disallowed tokens become -inf
+(server/constraint_mask.py), and the soft-cap is applied to the allowed ones in the same pass, so -inf stays -inf
+(cap(-inf) would be -30: a masked token would keep a tiny probability). Steps 3-9 then see an already capped row.
+min_tokens masks the stop ids the same way until enough tokens were generated.
+
 logprobs are vLLM's default "raw" ones: log-softmax over the whole vocabulary of the logits after steps 1,
 2 and 5 (bias, penalties, soft-cap), before temperature and truncation.
 
@@ -45,7 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from server.generation import SamplingParams
+from server.generation import SamplingParams, TokenConstraint
 
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256
@@ -336,7 +341,8 @@ class _SeenTokens:
 class Sampler:
     """Per-request state: the seeded random generator and the token counts the penalties need."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: Sequence[int], softcap: float | None):
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: Sequence[int], softcap: float | None,
+                 *, constraint: TokenConstraint | None = None, stop_ids: Sequence[int] = (), min_tokens: int = 0):
         assert params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and 0.0 <= params.min_p <= 1.0
         assert params.repetition_penalty > 0.0 and 0 <= params.top_logprobs <= 20
         assert softcap is None or softcap > 0.0
@@ -362,10 +368,23 @@ class Sampler:
         top_k_off = not params.greedy and not 0 < params.top_k < vocab_size
         self._adjusted = torch.empty(vocab_size) if self._adjusts else None  # (V,)
         self._scratch = torch.empty(vocab_size) if params.logprobs or top_k_off else None  # (V,)
+        # The constraint and min_tokens mask a copy of the adjusted row (the caller's logits stay untouched).
+        self.constraint = constraint
+        self._min_tokens = min_tokens
+        self._generated = 0
+        self._stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)  # (s,)
+        self._masks = constraint is not None or (min_tokens > 0 and len(stop_ids) > 0)
+        self._masked = torch.empty(vocab_size) if self._masks and self._adjusted is None else None  # (V,)
+        self._token_mask: Any = None
+        if constraint is not None:
+            from server.constraint_mask import TokenMask  # numpy/llguidance-side: only constrained requests load it
+
+            self._token_mask = TokenMask(vocab_size)
 
     def accept(self, token_id: int) -> None:
-        """Record a generated token (for the penalties)."""
+        """Record a generated token (for the penalties and min_tokens). The constraint is advanced by the engine."""
         assert 0 <= token_id < self.vocab_size
+        self._generated += 1
         if self._seen is not None:
             self._seen.add(token_id)
         if self._output is not None:
@@ -389,16 +408,33 @@ class Sampler:
             x.index_add_(0, self._output.ids, counts * -self.params.frequency_penalty - self.params.presence_penalty)
         return x
 
+    def mask(self, x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        """The constraint's mask (with the soft-cap on the allowed tokens) and min_tokens' ban on stop ids, on a row
+        of our own: (the row, the soft-cap still to apply to it). `x` itself when neither applies."""
+        banning = self._generated < self._min_tokens and self._stop_ids.numel() > 0
+        if self.constraint is None and not banning:
+            return x, self.softcap
+        if x is not self._adjusted:  # still the caller's buffer: never modified
+            assert self._masked is not None
+            x = self._masked.copy_(x)  # (V,)
+        if self.constraint is not None:
+            self._token_mask.apply_(self.constraint, x, self.softcap)  # -inf where disallowed; capped elsewhere
+        elif self.softcap is not None:
+            x.div_(self.softcap).tanh_().mul_(self.softcap)  # cap first, so the banned ids stay -inf
+        if banning:
+            x.index_fill_(0, self._stop_ids, float("-inf"))
+        return x, None
+
     def sample(self, logits: torch.Tensor) -> SampleResult:
         """logits: [V] float32, raw (the soft-cap is applied here). Not modified."""
         assert logits.shape == (self.vocab_size,) and logits.dtype == torch.float32, "expect a raw [V] f32 row"
         params = self.params
-        x = self.adjust(logits)  # (V,)
+        x, softcap = self.mask(self.adjust(logits))  # (V,)
         best: torch.Tensor | list[int] | None = None  # candidate ids best first, when known: reusable for top_logprobs
         if params.greedy:
             token = argmax(x)  # soft-cap and temperature are monotonic: argmax of the adjusted raw logits
         else:
-            c = candidates(x, params, self.softcap, self._scratch)
+            c = candidates(x, params, softcap, self._scratch)
             token = draw(c, self.rng)
             best = c.ids
         if not params.logprobs:
@@ -413,5 +449,8 @@ class Sampler:
             top_ids = topk(x, n)[1]  # (N,)
         wanted = torch.cat([torch.tensor([token]), top_ids])  # (1 + N,) the chosen token, then the best N
         max_id = token if params.greedy else (int(best[0]) if best is not None else None)  # saves a pass
-        logprobs = raw_logprobs(x, wanted, self.softcap, self._scratch, max_id).tolist()
-        return SampleResult(token, logprobs[0], tuple(zip(top_ids.tolist(), logprobs[1:], strict=True)))
+        logprobs = raw_logprobs(x, wanted, softcap, self._scratch, max_id).tolist()
+        top = tuple(zip(top_ids.tolist(), logprobs[1:], strict=True))
+        if self._masks:
+            top = tuple(entry for entry in top if entry[1] > -math.inf)  # masked tokens are not alternatives
+        return SampleResult(token, logprobs[0], top)

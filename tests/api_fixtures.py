@@ -50,7 +50,9 @@ def hf_host() -> Host:
 
 
 def settings(**overrides: Any) -> Settings:
-    base = Settings(artifacts=demo_dir(), graph="null", host="127.0.0.1", port=0, served_model_name="gemma-test")
+    # lazy_grammar: the grammar vocabulary's build holds the GIL ~10 s; only the tests that constrain output start it.
+    base = Settings(artifacts=demo_dir(), graph="null", host="127.0.0.1", port=0, served_model_name="gemma-test",
+                    lazy_grammar=True)
     return replace(base, **overrides)
 
 

@@ -209,7 +209,26 @@ def test_context_length_exceeded(client: OpenAI) -> None:
         ({"stop": [""]}, "stop"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        # A tool message needs the call it answers; user/system messages need content (issue 15).
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "system", "content": None}, *HI]}, "messages[0].content"),
+        # No silent drops: a field that would change the output is implemented or refused, naming it.
+        ({"suffix": "x"}, "suffix"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"some_vendor_knob": 1}, "some_vendor_knob"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        # The demo (Gemma-3) has no native tool-call format.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+        ({"messages": [*HI, {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1]"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(server: LiveServer, fields: dict[str, object], param: str) -> None:
@@ -254,12 +273,34 @@ def test_malformed_bodies_are_400(server: LiveServer, raw: bytes) -> None:
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_unknown_fields_are_ignored_and_model_is_optional(server: LiveServer, client: OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, user="someone",
-                                       extra_body={"foo": {"bar": [1, None]}, "suffix": "x", "ignore_eos": True})
+def test_fields_that_change_nothing_are_ignored_and_model_is_optional(server: LiveServer, client: OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, user="someone", store=False,
+                                       metadata={"k": "v"}, service_tier="auto",
+                                       extra_body={"prompt_cache_key": "x", "safety_identifier": "y"})
     assert r.choices[0].finish_reason == "length"
     body = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 1, "temperature": None}).json()
     assert body["model"] == MODEL and body["usage"]["completion_tokens"] == 1
+
+
+def test_ignore_eos_and_min_tokens_are_implemented(server: LiveServer) -> None:
+    # The null graph greedily repeats one token; with logit_bias pushing eos to the top, only ignore_eos / min_tokens
+    # keep it going.
+    eos = {"1": 100}
+    stopped = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 5, "temperature": 0,
+                                                   "logit_bias": eos}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+    ignored = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 5, "temperature": 0,
+                                                   "logit_bias": eos, "ignore_eos": True}).json()
+    assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 5
+    held = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 9, "temperature": 0, "logit_bias": eos,
+                                           "min_tokens": 3}).json()
+    assert held["choices"][0]["finish_reason"] == "stop" and held["usage"]["completion_tokens"] == 4
+
+
+def test_legacy_completions_refuse_suffix(server: LiveServer) -> None:
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "suffix": "y"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert "fill-in-the-middle" in r.json()["error"]["message"]
 
 
 def test_unknown_route_and_wrong_method(server: LiveServer) -> None:

@@ -24,8 +24,10 @@ QUESTION = "Question: What is the capital of France?\nAnswer:"
 @pytest.fixture(scope="module")
 def real() -> Iterator[LiveServer]:
     host = hf_host()
-    config = settings(graph="hf")
+    config = settings(graph="hf", lazy_grammar=False)  # the default: the grammar vocabulary starts with the server
     with live_server(config, build_engine(host, config), host) as live:
+        assert live.app.state.prompts.grammar.started  # before any request asked for it
+        live.app.state.prompts.grammar.wait(600)  # the grammar vocabulary (structured output), built once, up front
         yield live
 
 
@@ -83,3 +85,40 @@ def test_generate_route_is_greedy_chat(real: LiveServer, client: OpenAI) -> None
     assert body["response"] == chat.choices[0].message.content and body["response"]
     assert body["finish_reason"] == chat.choices[0].finish_reason
     assert body["gen_tokens"] == chat.usage.completion_tokens  # type: ignore[union-attr]
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"], "properties": {
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "city": {"type": "string", "maxLength": 40}}}
+EXTRACTIONS = [
+    "Alice is 31 years old and lives in Lisbon.",
+    "Meet Bob, a 45-year-old carpenter from Oslo.",
+    "Chen (age 27) moved to Toronto last spring.",
+    "The 62-year-old Maria has always lived in Naples.",
+    "Kwame, 19, studies in Accra.",
+]
+
+
+@pytest.mark.parametrize("text", EXTRACTIONS)
+def test_structured_output_extraction_validates(client: OpenAI, text: str) -> None:
+    """The real 270M, greedy, with a JSON schema: every answer parses and validates (the mask enforces it)."""
+    import json
+
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=120,
+        messages=[{"role": "user", "content": f"Extract the person's name, age and city as JSON.\n\n{text}"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), PERSON)
+
+
+def test_tools_on_the_demo_model_are_a_clear_400(client: OpenAI) -> None:
+    import openai
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       tools=[tool])  # type: ignore[list-item]
+    assert refused.value.body["param"] == "tools" and "no native tool-call format" in refused.value.body["message"]  # type: ignore[index]

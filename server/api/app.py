@@ -183,6 +183,8 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()  # loads the graph on the device thread; /health says "loading" meanwhile
+        if not settings.lazy_grammar:
+            prompts.start_background_work()  # the grammar vocabulary, alongside the graph load (see README)
         try:
             yield
         finally:

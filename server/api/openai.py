@@ -23,10 +23,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.prompts import Prompts
+from server.api.prompts import GRAMMAR_RETRY_AFTER_S, GRAMMAR_WAIT_S, Prompts, grammar_spec, invalid
 from server.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +41,18 @@ from server.api.schemas import (
 from server.api.service import ClientGone, Service, finish_error
 from server.api.sse import DONE, GenerationStream, frame
 from server.errors import APIError
-from server.generation import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams, TokenLogprob
+from server.generation import (
+    Delta,
+    Finish,
+    GenerationRequest,
+    RequestHandle,
+    SamplingParams,
+    TokenConstraint,
+    TokenLogprob,
+)
+from server.protocol import Delta as ParsedDelta
+from server.protocol import OutputParser, PromptInputs, ToolCallDelta, collect
+from server.protocol.base import PlainParser
 
 log = logging.getLogger("server.api")
 
@@ -112,8 +124,16 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """Chat responses: the generated text goes through the protocol's parser, which splits it into content, the
+    thought channel (`reasoning_content`) and tool calls (`tool_calls`, finish_reason "tool_calls")."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, prompts: Prompts, response_id: str, model: str, logprobs: bool,
+                 parser: OutputParser | None = None) -> None:
+        super().__init__(prompts, response_id, model, logprobs)
+        self.parser = parser or PlainParser()
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.prompts.token_info(token_id)
@@ -137,18 +157,50 @@ class ChatFormat(_Format):
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None, None)]
 
+    @staticmethod
+    def _delta_fields(parsed: ParsedDelta) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if parsed.reasoning:
+            fields["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            fields["content"] = parsed.content
+        if parsed.tool_calls:
+            fields["tool_calls"] = [_tool_call(call, index=True) for call in parsed.tool_calls]
+        return fields
+
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        if delta.text or (self.logprobs and delta.logprob is not None):
-            return self._chunk({"content": delta.text}, self._logprobs([delta]), None)
+        fields = self._delta_fields(self.parser.feed(delta.text)) if delta.text else {}
+        if fields or (self.logprobs and delta.logprob is not None):
+            return self._chunk(fields or {"content": ""}, self._logprobs([delta]), None)
         return None
 
-    def final_chunk(self, reason: str) -> dict[str, Any]:
-        return self._chunk({}, None, reason)
+    def final_chunks(self, reason: str) -> list[dict[str, Any]]:
+        end = self.parser.finish()
+        fields = self._delta_fields(end.delta)
+        chunks = [self._chunk(fields, None, None)] if fields else []
+        return [*chunks, self._chunk({}, None, _reason(reason, end.called_tools))]
 
     def body(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": self._logprobs(deltas), "finish_reason": finish.reason}
+        parsed = collect(self.parser, text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
+            message["content"] = parsed.content or None
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(deltas),
+                  "finish_reason": _reason(finish.reason, parsed.called_tools)}
         return {**self._envelope(self.object_name, [choice]), "usage": _usage(finish)}
+
+
+def _reason(engine_reason: str, called_tools: bool) -> str:
+    """A stop after complete calls is "tool_calls"; a cut ("length") stays what it is."""
+    return "tool_calls" if called_tools and engine_reason == "stop" else engine_reason
+
+
+def _tool_call(call: ToolCallDelta, index: bool = False) -> dict[str, Any]:
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **entry} if index else entry
 
 
 class CompletionFormat(_Format):
@@ -193,8 +245,8 @@ class CompletionFormat(_Format):
             return self._chunk(delta.text, self._logprobs([delta]), None)
         return None
 
-    def final_chunk(self, reason: str) -> dict[str, Any]:
-        return self._chunk("", None, reason)
+    def final_chunks(self, reason: str) -> list[dict[str, Any]]:
+        return [self._chunk("", None, reason)]
 
     def body(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
         choice = {"index": 0, "text": self.echo + text, "logprobs": self._logprobs(deltas),
@@ -272,7 +324,8 @@ class OpenAIRoutes:
                 error = finish_error(event)
                 if error is not None:
                     raise error
-                yield frame(fmt.final_chunk(event.reason))
+                for payload in fmt.final_chunks(event.reason):
+                    yield frame(payload)
                 if include_usage:
                     yield frame(fmt.usage_chunk(event))
         except APIError as exc:  # after the headers: in-band
@@ -293,12 +346,57 @@ class OpenAIRoutes:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = self._sampling(body, top_logprobs)
-        ids = await self.prompts.chat_ids(body.messages)
+        ids, inputs = await self.prompts.chat_prompt(body)
+        constraint = await self._constraint(body, inputs)
+        self._check_constraint_fields(body, constraint)
+        protocol = self.prompts.protocol
+        tool_names = [tool.function["name"] for tool in body.tools or ()]
+        parser = protocol.parser(tool_names=tool_names, parse_tool_calls=bool(tool_names) and body.tool_choice != "none")
         response_id = f"chatcmpl-{request.state.completion_id}"
         handle = self._submit(ids, body.token_limit, "messages", sampling=sampling, stop=body.stop,
-                              request_id=response_id)
-        fmt = ChatFormat(self.prompts, response_id, model, top_logprobs is not None)
+                              request_id=response_id, constraint=constraint,
+                              skip_special_tokens=not protocol.keep_special_tokens, **self._eos_fields(body))
+        fmt = ChatFormat(self.prompts, response_id, model, top_logprobs is not None, parser)
         return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
+
+    async def _constraint(self, body: ChatCompletionRequest, inputs: PromptInputs) -> TokenConstraint | None:
+        """The request's output constraint, compiled off the event loop (bounded by the compiler's limits), or None.
+        Waits (bounded) for the grammar vocabulary while it is still being built after start-up."""
+        spec = grammar_spec(body)
+        if spec is None:
+            return None
+        from server.constraints import ConstraintError, build_constraint
+
+        try:
+            vocab = await anyio.to_thread.run_sync(self.prompts.grammar.wait, GRAMMAR_WAIT_S)
+        except RuntimeError as exc:
+            raise APIError(500, str(exc), code="grammar_unavailable") from None
+        if vocab is None:
+            raise APIError(503, "The grammar engine is still loading its vocabulary (once, after start-up); retry "
+                           "shortly.", code="grammar_loading", headers={"Retry-After": str(GRAMMAR_RETRY_AFTER_S)})
+        protocol = self.prompts.protocol
+
+        def build() -> TokenConstraint | None:
+            return build_constraint(vocab, **spec, thinking=inputs.thinking, native_tools=protocol.supports_tools)
+
+        try:
+            return await anyio.to_thread.run_sync(build)
+        except ConstraintError as exc:
+            raise invalid(exc.message, exc.param or "response_format") from None
+
+    @staticmethod
+    def _check_constraint_fields(body: SamplingFields, constraint: TokenConstraint | None) -> None:
+        if constraint is None:
+            return
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(body, name):
+                raise APIError(400, f"{name}: cannot be combined with a constrained output (response_format or a "
+                               "tool_choice that forces or forbids calls): the grammar decides where it may end",
+                               param=name, code="invalid_value")
+
+    @staticmethod
+    def _eos_fields(body: SamplingFields) -> dict[str, Any]:
+        return {"ignore_eos": bool(body.ignore_eos), "min_tokens": body.min_tokens or 0}
 
     # ------------------------------------------------------------------ POST /v1/completions
 
@@ -318,7 +416,7 @@ class OpenAIRoutes:
             prompt_text = await self.prompts.decode(ids) if body.echo else ""
         response_id = f"cmpl-{request.state.completion_id}"
         handle = self._submit(ids, body.token_limit, "prompt", sampling=sampling, stop=body.stop,
-                              request_id=response_id)
+                              request_id=response_id, **self._eos_fields(body))
         fmt = CompletionFormat(self.prompts, response_id, model, body.logprobs is not None,
                                echo=prompt_text if body.echo else "")
         return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)

@@ -9,14 +9,21 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import anyio
 from jinja2 import TemplateError
 
-from server.api.schemas import Message
+from server.api.schemas import ChatCompletionRequest, Message
 from server.errors import APIError
 from server.generation import ModelInfo
+from server.protocol import ChatProtocol, PromptInputs, ProtocolError, detect_protocol
+
+# A constrained request that arrives while the grammar vocabulary is still building (the first 15-60 s after start-up)
+# waits this long for it, then gets a 503 with Retry-After.
+GRAMMAR_WAIT_S = 60.0
+GRAMMAR_RETRY_AFTER_S = 10
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: the token *is* one raw byte
 
@@ -27,6 +34,12 @@ class Prompts:
         self.tokenizer = model.tokenizer
         self.created = int(time.time())
         self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
+        self.protocol: ChatProtocol = detect_protocol(self.tokenizer.get_vocab(), _special_tokens(self.tokenizer))
+        self.grammar = _vocab_loader(model)
+
+    def start_background_work(self) -> None:
+        """After start-up: build the grammar vocabulary on its own thread (constrained requests need it)."""
+        self.grammar.start()
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model.name:
@@ -65,14 +78,38 @@ class Prompts:
     async def decode(self, ids: Sequence[int]) -> str:
         return await anyio.to_thread.run_sync(self.tokenizer.decode, ids)
 
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
+        """A chat request's prompt through the model's protocol (tools, thinking, tool messages) and template."""
+        return await anyio.to_thread.run_sync(self._chat_prompt, body)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        try:
+            inputs = self.protocol.prompt_inputs([m.template_dict() for m in body.messages], tools=tools,
+                                                 chat_template_kwargs=body.chat_template_kwargs,
+                                                 reasoning_effort=body.reasoning_effort)
+        except ProtocolError as exc:
+            raise invalid(exc.message, exc.param) from None
+        return self._render(inputs.messages, True, False, tools=inputs.tools, **inputs.template_kwargs), inputs
+
     def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+        try:
+            inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages])
+        except ProtocolError as exc:
+            raise invalid(exc.message, exc.param) from None
+        return self._render(inputs.messages, add_generation_prompt, add_special_tokens, **inputs.template_kwargs)
+
+    def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
+                **template: Any) -> list[int]:
         """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
         special tokens again: the template writes BOS itself."""
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-                        for m in messages]
+        if not self.protocol.supports_tools:
+            # A plain template knows only text turns: an assistant turn without text is an empty one.
+            conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        except (TemplateError, ValueError) as exc:  # ValueError: the model ships no chat template
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      **template)
+        except (TemplateError, ValueError, TypeError) as exc:  # ValueError: the model ships no chat template
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
                            code="invalid_value") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -83,3 +120,55 @@ class Prompts:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
         return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
+
+
+def invalid(message: str, param: str | None) -> APIError:
+    """A 400 for a protocol or constraint error, its message starting with the field it names."""
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    """The texts of the tokenizer's special added tokens (what skip_special_tokens would remove)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return []
+    return [token.content for token in backend.get_added_tokens_decoder().values() if token.special]
+
+
+# One loader per tokenizer object in a process: apps built again around the same host (tests, the bench) share the
+# build, which takes seconds and holds the GIL for most of it (llguidance's Rust constructor).
+_LOADERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def _vocab_loader(model: ModelInfo) -> Any:
+    from server.constraints import GrammarVocab, VocabLoader  # llguidance: imported by the API side only
+
+    key = (id(model.tokenizer), model.vocab_size, tuple(model.stop_token_ids))
+    cached = _LOADERS.get(key)
+    if cached is not None and cached[0] is model.tokenizer:
+        return cached[1]
+
+    def build() -> GrammarVocab:
+        return GrammarVocab.from_tokenizer(model.tokenizer, model.vocab_size, model.stop_token_ids)
+
+    loader = VocabLoader(build)
+    _LOADERS[key] = (model.tokenizer, loader)
+    return loader
+
+
+def grammar_spec(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
+    """What build_constraint needs from a chat request, or None when the request has no constraint at all (then the
+    grammar vocabulary is never waited for)."""
+    response_format = body.response_format.model_dump(exclude_none=True) if body.response_format else None
+    fmt = (response_format or {}).get("type", "text")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    choice = body.tool_choice
+    forced_or_banned = tools and (choice not in (None, "auto") or body.parallel_tool_calls is False)
+    if fmt == "text" and not forced_or_banned:
+        if isinstance(choice, dict) or choice == "required":
+            raise APIError(400, "tool_choice: requires tools", param="tool_choice", code="invalid_value")
+        return None
+    return {"response_format": response_format, "tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": body.parallel_tool_calls is not False}

@@ -1,7 +1,10 @@
 """Request bodies of the HTTP routes as pydantic models, and `parse()`, which maps every failure to one 400.
 
 Deliberate choices (do not "fix" these without reading why):
-- Unknown fields are ignored: clients send vendor extras (`user`, `suffix`, `chat_template_kwargs`, ...).
+- No silent drops: a top-level field that would change the output is implemented or refused with a 400 naming it.
+  Only the fields in `IGNORED_FIELDS` (they change nothing in the output: bookkeeping, caching, tracing hints) are
+  accepted and ignored; any other unknown field is a 400 (`suffix`, `functions`, `audio`, ...). Inside messages,
+  tools and schemas unknown keys are passed through to the template and the grammar compiler, which decide.
 - NaN and +-inf are rejected everywhere (`allow_inf_nan=False`), by the JSON parser as well as the fields.
 - Range checks sit on the fields, so pydantic names the field and `parse` turns that into OpenAI's `param`.
 - Shapes that OpenAI lets vary (`stop`, `prompt`, message `content`) are normalised by "before" validators into
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from server.errors import APIError
 
@@ -25,17 +29,80 @@ MAX_TOKEN_ID_DIGITS = 18  # any vocabulary is smaller; int() of a longer key is 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
+# Request fields that do not change the output: accepted and ignored (README "Thinking, tools and JSON" lists them).
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "prediction", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "parallel_tool_calls_hint", "modalities", "verbosity",
+})
+REFUSED_HINTS = {
+    "suffix": "Gemma has no fill-in-the-middle format",
+    "functions": "use `tools` (the legacy `functions` field is not supported)",
+    "function_call": "use `tool_choice` (the legacy `function_call` field is not supported)",
+}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class _Request(_Body):
+    """A top-level request body: unknown fields are refused unless they are in IGNORED_FIELDS."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+
+    @model_validator(mode="after")
+    def _no_silent_drops(self) -> _Request:
+        for name in self.model_extra or {}:
+            if name in IGNORED_FIELDS:
+                continue
+            why = REFUSED_HINTS.get(name, "this server does not support it, and ignoring it could change the output")
+            raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
+                                      {"name": name[:64], "why": why, "param": name[:64]})
+        return self
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON string on the wire; an object is accepted too
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None  # text parts are joined with "\n" (as vLLM does); anything else is a 400
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its thought, sent back (the template may drop it)
+    reasoning: str | None = None  # the same, as some clients name it
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> Message:
+        # Only an assistant message may omit its content (a turn that only called tools); a user, system or tool
+        # message without one is a client bug, refused naming the field rather than rendered as an empty turn.
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing_content", "content: required for a {role} message",
+                                      {"role": self.role, "loc": "content"})
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("missing_tool_call_id", "tool_call_id: required for a tool message",
+                                      {"loc": "tool_call_id"})
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (None-valued keys dropped)."""
+        data = self.model_dump(exclude_none=True)
+        if data["role"] == "developer":
+            data["role"] = "system"
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
@@ -55,7 +122,7 @@ class Message(_Body):
         return "\n".join(texts)
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     """The fields shared by chat and legacy completions."""
 
     model: str | None = None
@@ -74,6 +141,15 @@ class SamplingFields(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
+    ignore_eos: bool | None = False  # vLLM's: stop ids do not end the generation
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's: stop ids are masked out until this many tokens
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream_options", "stream_options: only allowed when stream is true",
+                                      {"loc": "stream_options"})
+        return self
 
     @field_validator("top_k")
     @classmethod
@@ -126,10 +202,45 @@ class SamplingFields(_Body):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class ResponseFormat(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (not isinstance(self.json_schema, dict)
+                                           or not isinstance(self.json_schema.get("schema", {}), dict)):
+            raise PydanticCustomError("json_schema", "json_schema: an object with a 'schema' object is required",
+                                      {"loc": "json_schema"})
+        return self
+
+
+class Tool(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+    type: Literal["function"]
+    function: dict[str, Any]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(value.get("name"), str) or not value["name"]:
+            raise ValueError("function.name is required")
+        if not isinstance(value.get("parameters", {}), dict):
+            raise ValueError("function.parameters must be a JSON schema object")
+        return value
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -161,14 +272,14 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Request):
     """The seed server's route: chat-templated, greedy."""
 
     prompt: str
     max_new_tokens: int = Field(128, ge=1)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
@@ -176,7 +287,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool | None = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 
@@ -202,7 +313,17 @@ def parse(model: type[Body], raw: bytes) -> Body:
             raise APIError(400, f"The body is not valid JSON: {error['msg']}", code="invalid_json") from None
         if error["type"] == "model_type" and not error["loc"]:
             raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
-        param = _param(tuple(error["loc"]))
+        ctx = error.get("ctx") or {}
+        loc = tuple(error["loc"])
+        if "param" in ctx:
+            loc = (*loc, ctx["param"])
+        elif "loc" in ctx:
+            loc = (*loc, ctx["loc"])
+        param = _param(loc)
         message = error["msg"].removeprefix("Value error, ")
+        if "loc" in ctx or "param" in ctx:  # the message already names the field; prefix the path that leads to it
+            prefix = _param(tuple(error["loc"]))
+            message = f"{prefix}.{message}" if prefix else message
+            raise APIError(400, message, param=param, code="invalid_value") from None
         raise APIError(400, f"{param}: {message}" if param else message, param=param,
                        code="invalid_value") from None
