@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -76,9 +77,8 @@ class ScriptedGraph:
         return self.inner.rewind(position)
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    root = tmp_path_factory.mktemp("gemma4")
+def gemma4_host(root: Path) -> Host:
+    """The tiny random Gemma-4 exported under `root`, with the Gemma-4 tokenizer and template (one prefill call)."""
     checkpoint = tiny_gemma4_checkpoint(root / "checkpoint")
     artifacts = export(checkpoint, root / "artifacts", prefill_bucket=MAX_TOTAL, max_total=MAX_TOTAL, dtype="float32")
     cfg, source = artifacts / "cfg", gemma4_cfg_dir()
@@ -86,6 +86,11 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
         shutil.copyfile(source / name, cfg / name)
     (cfg / "special_tokens_map.json").unlink(missing_ok=True)
     return load_host(artifacts, "hf", MODEL)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
+    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
 
 
 @pytest.fixture(scope="module")

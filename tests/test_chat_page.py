@@ -2,8 +2,9 @@
 download) against live servers on 127.0.0.1: the demo model for streaming and prefix reuse, the null graph for
 Stop (slowed by `null_step_ms`), auth and errors.
 
-`reasoning_content` is not emitted by our server yet, so its rendering is tested against a stand-in of the future
-API defined here (a tiny Starlette app that serves the real page and streams chunks carrying it).
+`reasoning_content` is tested twice: against the real server (the tiny Gemma-4 behind a graph that forces a thought,
+then an answer) and, for what the page re-sends, against a stand-in API defined here (a tiny Starlette app that
+serves the real page and streams chunks carrying it).
 """
 
 from __future__ import annotations
@@ -354,3 +355,44 @@ def test_browser_shows_reasoning_collapsed_above_the_answer(page: Page, tmp_path
             {"role": "user", "content": "And you?"},
         ]
         assert bodies[1]["temperature"] == 0.7 and bodies[1]["max_tokens"] == 64 and bodies[1]["stream"] is True
+
+
+# ------------------------------------------------------------------ reasoning from the real server (Gemma-4 protocol)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Any]]:
+    """The tiny random Gemma-4 with the Gemma-4 tokenizer and template, behind a graph that forces a script."""
+    from server.runtime import graph_loader
+    from tests.test_api_gemma4 import MODEL, ScriptedGraph, gemma4_host
+
+    host = gemma4_host(tmp_path_factory.mktemp("gemma4"))
+    graph = ScriptedGraph(graph_loader(host)())
+    config = settings(served_model_name=MODEL)
+    with live_server(config, build_engine(host, config, load=lambda: graph, prefix_reuse=False), host) as live:
+        yield live, host, graph
+
+
+def test_browser_shows_the_servers_reasoning_collapsed_above_the_answer(gemma4: tuple[LiveServer, Any, Any],
+                                                                         page: Page, tmp_path: Path) -> None:
+    """The page against the real API: Gemma-4's thought channel arrives as delta.reasoning_content and is shown
+    collapsed above the answer, never inside it."""
+    live, host, graph = gemma4
+    graph.script = host.tokenizer.encode("<|channel>thought\nTwo plus two is four.<channel|>It is 4.<turn|>",
+                                         add_special_tokens=False)
+    try:
+        page.goto(f"{live.url}/")
+        say(page, "What is 2 + 2?")
+        answer = last_answer(page)
+        answer.locator(".stats").wait_for()
+        details = answer.locator("details.reasoning")
+        assert details.count() == 1 and details.get_attribute("open") is None  # collapsed
+        assert answer.locator(".thoughts").text_content() == "Two plus two is four."
+        assert answer.locator(".content").text_content() == "It is 4."
+        assert answer.evaluate("box => box.querySelector('details').compareDocumentPosition("
+                               "box.querySelector('.content')) & Node.DOCUMENT_POSITION_FOLLOWING") != 0
+        answer.locator("summary").click()
+        assert answer.locator(".thoughts").is_visible()
+        page.screenshot(path=str(tmp_path / "reasoning-real.png"))
+    finally:
+        graph.script = None
