@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -35,8 +34,8 @@ from server.config import Settings
 from server.runtime import build_engine
 from server.ui import chat_page_html
 from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, null_host, settings, slow_loader
+from tests.browser import launched_chromium
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 WAIT_MS = 120_000
 
 
@@ -45,13 +44,8 @@ WAIT_MS = 120_000
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), "the browser tests need Debian's chromium: apt-get install -y chromium"
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            yield launched
-        finally:
-            launched.close()
+    with launched_chromium() as launched:
+        yield launched
 
 
 @pytest.fixture

@@ -4,25 +4,22 @@ is configured (and the key, sent as a header, still checked); refused by the bro
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
 from tests.api_fixtures import API_KEY, free_port, live_server, settings
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from tests.browser import launched_chromium
 
 # What a front-end on another origin does: a JSON POST with a bearer key (both make the browser send a preflight).
 CALL = """async ([url, key]) => {
@@ -64,13 +61,8 @@ def front_end() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), "the browser tests need Debian's chromium: apt-get install -y chromium"
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            yield launched
-        finally:
-            launched.close()
+    with launched_chromium() as launched:
+        yield launched
 
 
 def call_from(browser: Browser, origin: str, api_url: str, key: str | None) -> Any:
