@@ -40,7 +40,8 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> s
 
 def readme_sdk_example() -> str:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
-    (example,) = [b for b in blocks if "from openai import OpenAI" in b]
+    # the streaming quick-start example (the "Thinking, tools and JSON" section has examples of its own)
+    (example,) = [b for b in blocks if "from openai import OpenAI" in b and "stream=True" in b]
     return "\n".join(line[3:] if line.startswith("   ") else line for line in example.splitlines())  # list indent
 
 
