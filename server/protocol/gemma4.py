@@ -355,9 +355,7 @@ class Gemma4Parser(OutputParser):
         patterns = [CHANNEL_OPEN, CHANNEL_CLOSE] + ([CALL_OPEN, CALL_CLOSE] if self._tools else [])
         event = self._next_event(patterns, bare=self._tools)
         if event is None:
-            cut = len(self._buf) if final else self._held_from(self._buf)
-            self._emit_text(self._buf[:cut])
-            self._buf = self._buf[cut:]
+            self._emit_unheld(final)
             return
         at, marker = event
         self._emit_text(self._buf[:at])
@@ -415,12 +413,16 @@ class Gemma4Parser(OutputParser):
         elif len(self._buf) > 64 or final:
             self._mode = "reasoning"
 
+    def _emit_unheld(self, final: bool) -> None:
+        """No marker in the buffer: emit it, except a tail that may still become one (all of it when final)."""
+        cut = len(self._buf) if final else self._held_from(self._buf)
+        self._emit_text(self._buf[:cut])
+        self._buf = self._buf[cut:]
+
     def _drain_reasoning(self, final: bool) -> None:
         event = self._next_event([CHANNEL_CLOSE] + ([CALL_OPEN] if self._tools else []), bare=False)
         if event is None:
-            cut = len(self._buf) if final else self._held_from(self._buf)
-            self._emit_text(self._buf[:cut])
-            self._buf = self._buf[cut:]
+            self._emit_unheld(final)
             return
         at, marker = event
         self._emit_text(self._buf[:at])
