@@ -100,7 +100,11 @@ class Settings:
     api_key_file: Path | None = _setting("--api-key-file", "API_KEY_FILE", Path, None,
                                          "read the API key from this file (an empty file is refused at start-up)")
     max_queue: int = _setting("--max-queue", "MAX_QUEUE", _positive_int, 16,
-                              "requests admitted at once, the running one included (429 beyond)")
+                              "generations admitted at once, the running one included (a request with n choices "
+                              "takes n; 429 beyond)")
+    max_n: int = _setting("--max-n", "MAX_N", _positive_int, 8,
+                          "most choices one request may ask for: n, times the prompts of a /v1/completions list "
+                          "(400 beyond; they are admitted together, so --max-queue bounds them too)")
     served_model_name: str | None = _setting("--served-model-name", "SERVED_MODEL_NAME", str, None,
                                              "model id in the API", shown="from cfg/config.json")
     device: str = _setting("--device", "DEVICE", str, "cpu", "torch device for the hf graph (cpu, cuda)")

@@ -100,6 +100,7 @@ class Engine:
         self._submitted: dict[RequestHandle, None] = {}  # in submission order, until the caller has the Finish
         self._shared = _Shared()
         self._cached: list[int] = []  # token ids whose KV the graph holds, slot = index
+        self._kept: tuple[list[int], torch.Tensor] | None = None  # the last prefilled prompt and its last logits
         self._threads: list[threading.Thread] = []
         self._positions: list[torch.Tensor] = []
 
@@ -180,20 +181,26 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Raises EngineNotReady (loading, failed, draining) or QueueFull; the caller maps them to its protocol."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """Admits all of `requests` or none (QueueFull), queued back to back: the choices of one request (n > 1, a
+        list of prompts) run one after another, so each finds its prompt still in the cache (no prefill)."""
         state = self.state
         if state != "ok":
             raise EngineNotReady(state, self.state_reason)
         assert self.graph is not None
-        assert 0 < len(request.prompt_ids) < self.graph.max_total, "the HTTP layer checks the context budget"
-        handle = RequestHandle(request, asyncio.get_running_loop())
+        assert all(0 < len(r.prompt_ids) < self.graph.max_total for r in requests), "the HTTP layer checks the budget"
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(request, loop) for request in requests]
         with self._cond:
-            if self._admitted >= self.max_queue:
+            if self._admitted + len(handles) > self.max_queue:
                 raise QueueFull(self.max_queue)
-            self._admitted += 1
-            self._queue.append(handle)
-            self._submitted[handle] = None
+            self._admitted += len(handles)
+            self._queue.extend(handles)
+            self._submitted.update(dict.fromkeys(handles))
             self._cond.notify()
-        return handle
+        return handles
 
     # ----------------------------------------------------------------- worker thread
 
@@ -248,7 +255,7 @@ class Engine:
                         shared.abandoned, shared.stall = False, None
 
     def _reset_cache(self) -> None:
-        self._cached = []
+        self._cached, self._kept = [], None
         if self.graph is not None:
             try:
                 self.graph.rewind(0)
@@ -346,8 +353,7 @@ class Engine:
         if time.monotonic() > deadline:  # it ran out between two watchdog sweeps of the queue
             self._expire(handle)
             return
-        reused = self._rewind_to_common_prefix(ids)
-        logits, prefill_calls = self._prefill(handle, ids, reused)
+        logits, reused, prefill_calls = self._prompt_logits(handle, ids)
         if logits is None:
             handle.publish(self._finish(handle, "cancelled", len(ids), 0, reused_tokens=reused,
                                         prefill_calls=prefill_calls))
@@ -416,6 +422,23 @@ class Engine:
                 handle.publish(Delta(tail))
         handle.publish(self._finish(handle, reason, len(ids), generated, reused_tokens=reused,
                                     prefill_calls=prefill_calls, ttft_s=ttft, timed_out=timed_out))
+
+    def _prompt_logits(self, handle: RequestHandle, ids: list[int]) -> tuple[torch.Tensor | None, int, int]:
+        """The logits the first token is sampled from: (logits [1, 1, V] or None if cancelled, reused, prefill calls).
+
+        The same prompt as the last one (the 2nd..nth choice of a request, a regenerated answer) with its KV still in
+        the cache costs no graph call: the last prefill's logits were kept (one [V] copy, 1 MB)."""
+        assert self.graph is not None
+        kept = self._kept
+        if kept is not None and self.prefix_reuse and kept[0] == ids and self._cached[:len(ids)] == ids:
+            start = self.graph.rewind(len(ids))
+            del self._cached[start:]
+            if start == len(ids):
+                return kept[1].clone(), start, 0  # a copy: the sampler may work on its input in place
+        reused = self._rewind_to_common_prefix(ids)
+        logits, calls = self._prefill(handle, ids, reused)
+        self._kept = (list(ids), logits.clone()) if logits is not None else None
+        return logits, reused, calls
 
     def _rewind_to_common_prefix(self, ids: list[int]) -> int:
         """Keep what the cache already holds of this prompt, but always recompute the last prompt token: its logits

@@ -12,15 +12,21 @@ Deliberate choices:
   512-token graph, clients that send max_tokens=1024 should still get an answer.
 - Unset sampling fields take the model's generation_config.json defaults, then OpenAI's.
 - Completions logprobs with `echo` are rejected: the engine computes no prompt logprobs.
+- `n > 1` and a list of prompts: the choices are admitted together (all or none) and run one after another on the
+  batch-1 device; the 2nd..nth choice of a prompt finds it in the cache and runs no prefill. A stream sends each
+  choice's chunks in turn, every chunk naming its `index`. `best_of` is refused: it would generate choices nobody
+  sees.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -63,11 +69,6 @@ def _lp(value: float) -> float:
     return value if math.isfinite(value) and value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
 
-def _usage(finish: Finish) -> dict[str, int]:
-    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
-
-
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413), and a body
     that takes longer than `timeout_s` to arrive (408)."""
@@ -99,28 +100,39 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 # Response formats: what differs between chat and legacy completions
 
 
+@dataclass(frozen=True)
+class Envelope:
+    """What every object of one response shares: its id, model and creation time."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:
+    """OpenAI's usage over a request's choices, `n` per prompt: each prompt counted once, every completion."""
+    prompt = sum(finish.prompt_tokens for finish in finishes[::n])
+    completion = sum(finish.completion_tokens for finish in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 class _Format:
-    """Builds one request's response objects (non-stream body, stream chunks) from engine events."""
+    """Builds one choice's parts of the response (its stream chunks, its entry in the body) from engine events.
+
+    Each format adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
+    final_chunks(reason); choice(text, deltas, finish) -> its entry in the non-stream body's `choices`."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, prompts: Prompts, response_id: str, model: str, logprobs: bool, echo: str = "") -> None:
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool) -> None:
         self.prompts = prompts
-        self.id = response_id
-        self.model = model
-        self.created = int(time.time())
+        self.envelope = envelope
+        self.index = index
         self.logprobs = logprobs
-        self.echo = echo
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_object_name, []), "usage": _usage(finish)}
-
-    # Each format adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
-    # final_chunk(reason); body(text, deltas, finish) -> the non-stream response.
 
 
 class ChatFormat(_Format):
@@ -130,9 +142,9 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, prompts: Prompts, response_id: str, model: str, logprobs: bool,
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool,
                  parser: OutputParser | None = None) -> None:
-        super().__init__(prompts, response_id, model, logprobs)
+        super().__init__(prompts, envelope, index, logprobs)
         self.parser = parser or PlainParser()
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -151,8 +163,8 @@ class ChatFormat(_Format):
         return {"content": content}
 
     def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return self._envelope(self.chunk_object_name, [choice])
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return self.envelope.wrap(self.chunk_object_name, [choice])
 
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None, None)]
@@ -180,7 +192,7 @@ class ChatFormat(_Format):
         chunks = [self._chunk(fields, None, None)] if fields else []
         return [*chunks, self._chunk({}, None, _reason(reason, end.called_tools))]
 
-    def body(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
+    def choice(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
         parsed = collect(self.parser, text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning:
@@ -188,9 +200,8 @@ class ChatFormat(_Format):
         if parsed.tool_calls:
             message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
             message["content"] = parsed.content or None
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(deltas),
-                  "finish_reason": _reason(finish.reason, parsed.called_tools)}
-        return {**self._envelope(self.object_name, [choice]), "usage": _usage(finish)}
+        return {"index": self.index, "message": message, "logprobs": self._logprobs(deltas),
+                "finish_reason": _reason(finish.reason, parsed.called_tools)}
 
 
 def _reason(engine_reason: str, called_tools: bool) -> str:
@@ -207,8 +218,9 @@ class CompletionFormat(_Format):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, prompts: Prompts, response_id: str, model: str, logprobs: bool, echo: str = "") -> None:
-        super().__init__(prompts, response_id, model, logprobs, echo)
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool, echo: str = "") -> None:
+        super().__init__(prompts, envelope, index, logprobs)
+        self.echo = echo
         self.offset = len(echo)  # text_offset of the next token
 
     def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
@@ -234,8 +246,8 @@ class CompletionFormat(_Format):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _chunk(self, text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object_name,
-                              [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+        return self.envelope.wrap(self.chunk_object_name,
+                                  [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}])
 
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk(self.echo, None, None)] if self.echo else []
@@ -248,13 +260,26 @@ class CompletionFormat(_Format):
     def final_chunks(self, reason: str) -> list[dict[str, Any]]:
         return [self._chunk("", None, reason)]
 
-    def body(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
-        choice = {"index": 0, "text": self.echo + text, "logprobs": self._logprobs(deltas),
-                  "finish_reason": finish.reason}
-        return {**self._envelope(self.object_name, [choice]), "usage": _usage(finish)}
+    def choice(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
+        return {"index": self.index, "text": self.echo + text, "logprobs": self._logprobs(deltas),
+                "finish_reason": finish.reason}
 
 
 Format = ChatFormat | CompletionFormat
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request checked, rendered and compiled: what each of its choices submits, and how its output parses.
+    The one path from a chat-shaped request to the engine (chat completions, and the Responses API through it)."""
+
+    model: str
+    ids: list[int]
+    inputs: PromptInputs
+    sampling: SamplingParams
+    constraints: list[TokenConstraint | None]  # one per choice: a constraint is stateful
+    new_parser: Callable[[], OutputParser]
+    keep_special_tokens: bool
 
 # ----------------------------------------------------------------------------------------------------------
 # Routes
@@ -292,48 +317,84 @@ class OpenAIRoutes:
             top_logprobs=top_logprobs or 0,
         )
 
-    def _submit(self, ids: Sequence[int], limit: int | None, param: str, **fields: Any) -> RequestHandle:
-        """The one place a GenerationRequest is built from a parsed body: the prompt, its budget, then `fields`."""
-        budget = self.prompts.budget(len(ids), limit, param)
-        return self.service.submit(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=budget, **fields))
+    def check_choices(self, choices: int, param: str = "n") -> None:
+        """A request's choices (n, times its prompts) are admitted together: bounded by --max-n and --max-queue."""
+        limit = min(self.settings.max_n, self.settings.max_queue)
+        if choices > limit:
+            which = "--max-n" if limit == self.settings.max_n else "--max-queue"
+            raise APIError(400, f"{param}: this request asks for {choices} choices; this server generates at most "
+                           f"{limit} per request ({which})", param=param, code="invalid_value")
 
-    async def _respond(self, request: Request, handle: RequestHandle, fmt: Format, stream: bool,
-                       include_usage: bool) -> Response:
+    def submit(self, prompts: Sequence[Sequence[int]], limit: int | None, param: str, n: int, *,
+               sampling: SamplingParams, request_id: str, constraints: Sequence[TokenConstraint | None] = (),
+               **fields: Any) -> list[RequestHandle]:
+        """The one place GenerationRequests are built from a parsed body: `n` choices per prompt, each prompt with its
+        budget, then `fields`. Choice i (prompt-major, OpenAI's index) draws with seed + i, so a seeded request is
+        reproducible and its choices differ; it gets constraints[i] when given (one per choice: they are stateful)."""
+        requests = []
+        for p, ids in enumerate(prompts):
+            budget = self.prompts.budget(len(ids), limit, param)
+            for j in range(n):
+                index = p * n + j
+                seed = None if sampling.seed is None else sampling.seed + index
+                requests.append(GenerationRequest(
+                    prompt_ids=tuple(ids), max_new_tokens=budget, sampling=replace(sampling, seed=seed),
+                    request_id=request_id if len(prompts) * n == 1 else f"{request_id}-{index}",
+                    constraint=constraints[index] if constraints else None, **fields))
+        return self.service.submit(requests)
+
+    async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
+                       stream: bool, include_usage: bool) -> Response:
         if stream:
-            return GenerationStream(self._stream(handle, fmt, include_usage),
-                                    lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
+            def release() -> None:
+                for handle in handles:
+                    self.service.release(handle)
+
+            return GenerationStream(self._stream(handles, fmts, n, include_usage), release,
+                                    ping_s=self.settings.sse_ping_s)
         try:
-            done = await self.service.collect(request, handle)
+            done = await self.service.collect(request, handles)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        error = finish_error(done.finish)
-        if error is not None:
-            raise error
-        return JSONResponse(fmt.body(done.text, done.deltas, done.finish))
+        for completion in done:
+            error = finish_error(completion.finish)
+            if error is not None:
+                raise error
+        choices = [fmt.choice(c.text, c.deltas, c.finish) for fmt, c in zip(fmts, done, strict=True)]
+        envelope = fmts[0].envelope
+        return JSONResponse({**envelope.wrap(fmts[0].object_name, choices),
+                             "usage": usage([c.finish for c in done], n)})
 
-    async def _stream(self, handle: RequestHandle, fmt: Format, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """The choices one after another (they run so on the device), each chunk naming its choice's index."""
+        envelope = fmts[0].envelope
         try:
-            for payload in fmt.opening():
-                yield frame(payload)
-            async for event in self.service.events(handle):
-                if isinstance(event, Delta):
-                    chunk = fmt.chunk(event)
-                    if chunk is not None:
-                        yield frame(chunk)
-                    continue
-                error = finish_error(event)
-                if error is not None:
-                    raise error
-                for payload in fmt.final_chunks(event.reason):
+            for fmt in fmts:
+                for payload in fmt.opening():
                     yield frame(payload)
-                if include_usage:
-                    yield frame(fmt.usage_chunk(event))
+            finishes: list[Finish] = []
+            for handle, fmt in zip(handles, fmts, strict=True):
+                async for event in self.service.events(handle):
+                    if isinstance(event, Delta):
+                        chunk = fmt.chunk(event)
+                        if chunk is not None:
+                            yield frame(chunk)
+                        continue
+                    error = finish_error(event)
+                    if error is not None:
+                        raise error
+                    finishes.append(event)
+                    for payload in fmt.final_chunks(event.reason):
+                        yield frame(payload)
+            if include_usage:
+                yield frame({**envelope.wrap(fmts[0].chunk_object_name, []), "usage": usage(finishes, n)})
         except APIError as exc:  # after the headers: in-band
             self.service.metrics.errors.labels(str(exc.status)).inc()
             yield frame(exc.to_json())
         except Exception as exc:  # noqa: BLE001 - a bug must still end the stream properly
             self.service.metrics.errors.labels("500").inc()
-            log.exception("stream %s failed", fmt.id)
+            log.exception("stream %s failed", envelope.id)
             yield frame(APIError(500, f"Internal error: {type(exc).__name__}").to_json())
         yield frame(DONE)
 
@@ -341,30 +402,40 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse(ChatCompletionRequest, await self._body(request))
+        n = body.n or 1
+        self.check_choices(n)
+        plan = await self.plan_chat(body, n)
+        envelope = Envelope(f"chatcmpl-{request.state.completion_id}", plan.model)
+        handles = self.submit([plan.ids], body.token_limit, "messages", n, sampling=plan.sampling,
+                              constraints=plan.constraints, stop=body.stop, request_id=envelope.id,
+                              skip_special_tokens=not plan.keep_special_tokens, **self._eos_fields(body))
+        fmts = [ChatFormat(self.prompts, envelope, i, plan.sampling.logprobs, plan.new_parser()) for i in range(n)]
+        return await self._respond(request, handles, fmts, n, bool(body.stream), body.include_usage)
+
+    async def plan_chat(self, body: ChatCompletionRequest, n: int = 1) -> ChatPlan:
+        """Checks, the prompt through the model's protocol and template, and the output constraints (one per choice)."""
         model = self.prompts.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
-        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = self._sampling(body, top_logprobs)
+        sampling = self._sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
         ids, inputs = await self.prompts.chat_prompt(body)
-        constraint = await self._constraint(body, inputs)
-        self._check_constraint_fields(body, constraint)
+        constraints = await self._constraints(body, inputs, n)
+        self._check_constraint_fields(body, constraints[0])
         protocol = self.prompts.protocol
         tool_names = [tool.function["name"] for tool in body.tools or ()]
-        parser = protocol.parser(tool_names=tool_names, parse_tool_calls=bool(tool_names) and body.tool_choice != "none")
-        response_id = f"chatcmpl-{request.state.completion_id}"
-        handle = self._submit(ids, body.token_limit, "messages", sampling=sampling, stop=body.stop,
-                              request_id=response_id, constraint=constraint,
-                              skip_special_tokens=not protocol.keep_special_tokens, **self._eos_fields(body))
-        fmt = ChatFormat(self.prompts, response_id, model, top_logprobs is not None, parser)
-        return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
+        parse_tools = bool(tool_names) and body.tool_choice != "none"
+        return ChatPlan(model, ids, inputs, sampling, constraints,
+                        functools.partial(protocol.parser, tool_names=tool_names, parse_tool_calls=parse_tools),
+                        protocol.keep_special_tokens)
 
-    async def _constraint(self, body: ChatCompletionRequest, inputs: PromptInputs) -> TokenConstraint | None:
-        """The request's output constraint, compiled off the event loop (bounded by the compiler's limits), or None.
-        Waits (bounded) for the grammar vocabulary while it is still being built after start-up."""
+    async def _constraints(self, body: ChatCompletionRequest, inputs: PromptInputs,
+                           n: int) -> list[TokenConstraint | None]:
+        """The request's output constraint, once per choice, compiled off the event loop (bounded by the compiler's
+        limits), or [None] * n. Waits (bounded) for the grammar vocabulary while it is still being built after
+        start-up."""
         spec = grammar_spec(body)
         if spec is None:
-            return None
+            return [None] * n
         from server.constraints import ConstraintError, build_constraint
 
         try:
@@ -376,8 +447,9 @@ class OpenAIRoutes:
                            "shortly.", code="grammar_loading", headers={"Retry-After": str(GRAMMAR_RETRY_AFTER_S)})
         protocol = self.prompts.protocol
 
-        def build() -> TokenConstraint | None:
-            return build_constraint(vocab, **spec, thinking=inputs.thinking, native_tools=protocol.supports_tools)
+        def build() -> list[TokenConstraint | None]:
+            return [build_constraint(vocab, **spec, thinking=inputs.thinking, native_tools=protocol.supports_tools)
+                    for _ in range(n)]
 
         try:
             return await anyio.to_thread.run_sync(build)
@@ -406,30 +478,35 @@ class OpenAIRoutes:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo: prompt logprobs are not supported; use echo or logprobs, not both",
                            param="echo", code="invalid_value")
+        n = body.n or 1
+        self.check_choices(n * len(body.prompt), "n" if len(body.prompt) == 1 else "prompt")
         sampling = self._sampling(body, body.logprobs)
-        if isinstance(body.prompt, str):
-            ids = await self.prompts.text_ids(body.prompt)  # with BOS, as vLLM does
-            prompt_text = body.prompt
-        else:
-            ids = list(body.prompt)
-            self.prompts.check_token_ids(ids, "prompt")
-            prompt_text = await self.prompts.decode(ids) if body.echo else ""
-        response_id = f"cmpl-{request.state.completion_id}"
-        handle = self._submit(ids, body.token_limit, "prompt", sampling=sampling, stop=body.stop,
-                              request_id=response_id, **self._eos_fields(body))
-        fmt = CompletionFormat(self.prompts, response_id, model, body.logprobs is not None,
-                               echo=prompt_text if body.echo else "")
-        return await self._respond(request, handle, fmt, bool(body.stream), body.include_usage)
+        prompts: list[list[int]] = []
+        echoes: list[str] = []
+        for index, prompt in enumerate(body.prompt):
+            if isinstance(prompt, str):
+                prompts.append(await self.prompts.text_ids(prompt))  # with BOS, as vLLM does
+                echoes.append(prompt)
+            else:
+                self.prompts.check_token_ids(prompt, "prompt" if len(body.prompt) == 1 else f"prompt[{index}]")
+                prompts.append(list(prompt))
+                echoes.append(await self.prompts.decode(prompt) if body.echo else "")
+        envelope = Envelope(f"cmpl-{request.state.completion_id}", model)
+        handles = self.submit(prompts, body.token_limit, "prompt", n, sampling=sampling, stop=body.stop,
+                              request_id=envelope.id, **self._eos_fields(body))
+        fmts = [CompletionFormat(self.prompts, envelope, i, body.logprobs is not None,
+                                 echo=echoes[i // n] if body.echo else "") for i in range(len(handles))]
+        return await self._respond(request, handles, fmts, n, bool(body.stream), body.include_usage)
 
     # ------------------------------------------------------------------ POST /generate (the seed server's)
 
     async def generate(self, request: Request) -> Response:
         body = parse(GenerateRequest, await self._body(request))
         ids = await self.prompts.chat_ids([Message(role="user", content=body.prompt)])
-        handle = self._submit(ids, body.max_new_tokens, "prompt", sampling=SamplingParams(temperature=0.0),
+        handles = self.submit([ids], body.max_new_tokens, "prompt", 1, sampling=SamplingParams(temperature=0.0),
                               request_id=f"gen-{request.state.completion_id}")
         try:
-            done = await self.service.collect(request, handle)
+            (done,) = await self.service.collect(request, handles)
         except ClientGone:
             return Response(status_code=499)
         finish = done.finish

@@ -140,7 +140,7 @@ class SamplingFields(_Request):
     logit_bias: dict[str, Bias] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1)  # choices per prompt; the route bounds it (--max-n)
     ignore_eos: bool | None = False  # vLLM's: stop ids do not end the generation
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: stop ids are masked out until this many tokens
 
@@ -156,13 +156,6 @@ class SamplingFields(_Request):
     def _top_k(cls, value: int | None) -> int | None:
         if value is not None and value < -1:
             raise ValueError("must be -1 or 0 (off) or >= 1")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("only n=1 is supported (batch size 1)")
         return value
 
     @field_validator("stop", mode="before")
@@ -244,24 +237,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]  # a list of one string is unwrapped; a list of token ids is taken as is
+    # One prompt (a string or a list of token ids) or a list of them, normalised to a list: every prompt gets n choices.
+    prompt: list[str | list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-            if len(value) != 1:
-                raise ValueError(f"one prompt per request (batch size 1), got {len(value)}")
-            return value[0]
-        if isinstance(value, str):
-            return value
+    def _prompts(cls, value: Any) -> Any:
+        def token_ids(item: Any) -> bool:
+            return isinstance(item, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in item)
+
+        if isinstance(value, str) or (token_ids(value) and value):
+            return [value]
         if isinstance(value, list) and not value:
             raise ValueError("must not be empty")
-        if not isinstance(value, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
-            raise ValueError("must be a string, a list of one string, or a list of token ids")
+        if not isinstance(value, list) or not (all(isinstance(p, str) for p in value)
+                                               or all(token_ids(p) and p for p in value)):
+            raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
         return value
 
     @field_validator("best_of")

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
 
@@ -52,9 +52,10 @@ class Service:
 
     # ----------------------------------------------------------------- running requests
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """All or none (a request's choices are admitted together, back to back)."""
         try:
-            return self.engine.submit(request)
+            return self.engine.submit_all(requests)
         except EngineError as exc:
             raise engine_error(exc) from None
 
@@ -108,16 +109,18 @@ class Service:
                  ttft, rate, finish.queue_wait_s, finish.total_s, finish.reason,
                  " (wall-clock limit)" if finish.timed_out else "", f" error={finish.error}" if finish.error else "")
 
-    async def collect(self, request: Request, handle: RequestHandle) -> Completion:
-        """Run a non-streaming request to its end, cancelling it at once if the client disconnects meanwhile."""
-        consumer = asyncio.ensure_future(collect(self.events(handle)))
+    async def collect(self, request: Request, handles: Sequence[RequestHandle]) -> list[Completion]:
+        """Run non-streaming requests (one request's choices) to their end, cancelling them all at once if the client
+        disconnects meanwhile."""
+        consumer = asyncio.ensure_future(asyncio.gather(*(collect(self.events(handle)) for handle in handles)))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not consumer.done():
-                handle.cancel()
+                for handle in handles:
+                    handle.cancel()
                 consumer.cancel()
         if not consumer.done() or consumer.cancelled():
             raise ClientGone
