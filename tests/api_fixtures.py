@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.app import create_app
 from server.config import Settings
@@ -190,3 +191,12 @@ def spawn_serve(*args: str, timeout: float = 120) -> tuple[subprocess.Popen[str]
         except httpx.TransportError:
             pass
         time.sleep(0.2)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

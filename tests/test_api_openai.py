@@ -165,6 +165,71 @@ def test_completions_legacy_logprobs(client: OpenAI) -> None:
     assert zero.choices[0].logprobs.top_logprobs == [{" a": zero.choices[0].logprobs.token_logprobs[0]}] * 2  # type: ignore[union-attr,index]
 
 
+# ------------------------------------------------------------------------------------------ n > 1, prompt lists
+
+
+def test_chat_n_choices_and_usage(client: OpenAI) -> None:
+    one = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content == " a" * 3 and c.finish_reason == "length" for c in r.choices)
+    assert r.usage is not None and one.usage is not None
+    # the prompt is counted once, every choice's completion
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (one.usage.prompt_tokens, 9)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 9
+
+
+def test_chat_n_streamed_by_index(client: OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    *body, usage = chunks
+    assert all(len(c.choices) == 1 for c in body) and len({c.id for c in chunks}) == 1
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for c in body:
+        choice = c.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            assert choice.index not in finishes
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {0: " a a", 1: " a a"} and finishes == {0: "length", 1: "length"}
+    assert [c.choices[0].delta.role for c in body[:2]] == ["assistant", "assistant"]  # each choice opens with its role
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 4
+
+
+def test_completions_prompt_list_times_n(client: OpenAI) -> None:
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=2, temperature=0) for p in ("Hello", "Hi")]
+    r = client.completions.create(model=MODEL, prompt=["Hello", "Hi"], n=2, max_tokens=2, temperature=0, echo=True)
+    # OpenAI's order: the choices of prompt 0, then of prompt 1
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == ["Hello a a", "Hello a a", "Hi a a", "Hi a a"]
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)  # type: ignore[union-attr]
+    assert r.usage.completion_tokens == 8
+    ids = client.completions.create(model=MODEL, prompt=[[2, 9259], [2, 9259, 9259]], max_tokens=1, temperature=0)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage is not None and ids.usage.prompt_tokens == 5
+    streamed = list(client.completions.create(model=MODEL, prompt=["Hello", "Hi"], max_tokens=2, temperature=0,
+                                              stream=True))
+    texts: dict[int, str] = {}
+    for c in streamed:
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert texts == {0: " a a", 1: " a a"}
+
+
+def test_choices_are_bounded(server: LiveServer) -> None:
+    limit = server.settings.max_n
+    for path, body, param in [
+        ("/v1/chat/completions", {"messages": HI, "n": limit + 1}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": limit + 1}, "n"),
+        ("/v1/completions", {"prompt": ["x"] * (limit // 2 + 1), "n": 2}, "prompt"),
+    ]:
+        r = post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "--max-n" in r.json()["error"]["message"]
+    refused = post(server, "/v1/completions", {"prompt": "x", "best_of": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
+
+
 def test_no_max_tokens_means_the_rest_of_the_context(client: OpenAI) -> None:
     prompt = [2] + [9259] * 1020  # 1021 tokens of a 1024 context
     r = client.completions.create(model=MODEL, prompt=prompt, temperature=0)
@@ -197,7 +262,7 @@ def test_context_length_exceeded(client: OpenAI) -> None:
         ({"top_p": 0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from server.generation import Completion, GenerationRequest, SamplingParams
 from server.runtime import build_engine
-from tests.api_fixtures import LiveServer, hf_host, live_server, settings
+from tests.api_fixtures import LiveServer, hf_host, live_server, metric, settings
 
 MODEL = "gemma-test"
 QUESTION = "Question: What is the capital of France?\nAnswer:"
@@ -62,6 +62,26 @@ def test_chat_through_the_api_equals_the_engine_directly(real: LiveServer, clien
     chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == engine_text
+
+
+def test_n_seeded_choices_differ_and_run_no_second_prefill(real: LiveServer, client: OpenAI) -> None:
+    """n=3 at temperature 1 with a seed: three different answers, the same three again for the same seed, and only the
+    first choice prefilled (the server's own counters: choices 2..n reused the whole prompt)."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a word."}]
+    fields = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 1.0, "seed": 42, "n": 3,
+              "extra_body": {"ignore_eos": True}}
+    calls, reused = metric(real.url, "gemma4_graph_calls_total"), metric(real.url, "gemma4_prefix_cache_hit_tokens_total")
+    r = client.chat.completions.create(**fields)  # type: ignore[call-overload]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3, texts
+    assert r.usage is not None and r.usage.completion_tokens == 15
+    prompt = r.usage.prompt_tokens
+    assert prompt <= real.host.spec.prefill_bucket  # the first choice's prefill is one call
+    # 1 prefill call + 4 decode steps per choice (the 5th token is never fed back); none for choices 2 and 3.
+    assert metric(real.url, "gemma4_graph_calls_total") - calls == 1 + 3 * 4
+    assert metric(real.url, "gemma4_prefix_cache_hit_tokens_total") - reused >= 2 * prompt
+    again = client.chat.completions.create(**fields)  # type: ignore[call-overload]
+    assert [c.message.content for c in again.choices] == texts
 
 
 def test_stop_string_on_real_text(client: OpenAI) -> None:

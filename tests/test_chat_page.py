@@ -22,7 +22,6 @@ import httpx
 import pytest
 import uvicorn
 from playwright.sync_api import Browser, Page
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +32,7 @@ from server.api.page import chat_page
 from server.config import Settings
 from server.runtime import build_engine
 from server.ui import chat_page_html
-from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, null_host, settings, slow_loader
+from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader
 from tests.browser import launched_chromium
 
 WAIT_MS = 120_000
@@ -57,15 +56,6 @@ def page(browser: Browser) -> Iterator[Page]:
         yield opened
     finally:
         context.close()
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """One sample of the server's /metrics (0 when absent)."""
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:

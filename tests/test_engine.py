@@ -19,7 +19,7 @@ import torch
 from server.config import Settings
 from server.engine import Engine
 from server.export import export
-from server.generation import Completion, Finish, GenerationRequest, SamplingParams
+from server.generation import Completion, Finish, GenerationRequest, QueueFull, SamplingParams
 from server.graphs.base import Graph
 from server.runtime import Host, build_engine, load_host
 from tests.models import demo_dir, tiny_gemma4_checkpoint
@@ -120,6 +120,50 @@ def test_prefix_reuse_matches_generate(tiny_host: Host, reference_model: torch.n
         assert ids4 == generate_ids(reference_model, fourth, 6)
     finally:
         engine.stop()
+
+
+def test_the_same_prompt_again_runs_no_prefill(tiny_engine: Engine, reference_model: torch.nn.Module) -> None:
+    """The 2nd..nth choice of a request (or a regenerated answer): the kept logits of the last prefill, no graph call
+    before the first token, and still exactly what generate() gives."""
+    prompt = prompt_of(BUCKET + 3, seed=11)
+    first, _, finish1 = run(tiny_engine, prompt, 5, sampling=GREEDY)
+    again, _, finish2 = run(tiny_engine, prompt, 7, sampling=GREEDY)
+    assert finish1.prefill_calls >= 1
+    assert (finish2.prefill_calls, finish2.reused_tokens) == (0, len(prompt))
+    assert finish2.graph_calls == finish2.completion_tokens - 1
+    assert first == again[:5] and again == generate_ids(reference_model, prompt, 7)
+    # A prompt that only shares a prefix still prefills its tail.
+    longer = prompt + [4000]
+    _, _, finish3 = run(tiny_engine, longer, 2, sampling=GREEDY)
+    assert finish3.prefill_calls == 1 and finish3.reused_tokens == len(prompt)
+
+
+def test_choices_are_admitted_together_and_run_back_to_back(tiny_engine: Engine, tiny_host: Host) -> None:
+    prompt = prompt_of(30, seed=12)
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def requests(count: int) -> list[GenerationRequest]:
+        return [GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=6, sampling=replace(params, seed=5 + i),
+                                  ignore_eos=True) for i in range(count)]
+
+    async def go(count: int) -> list[Completion]:
+        handles = tiny_engine.submit_all(requests(count))
+        return [await handle.result() for handle in handles]
+
+    with pytest.raises(QueueFull):  # max_queue=4: five choices are refused whole, none is admitted
+        asyncio.run(go(5))
+    assert tiny_engine.admitted == 0
+    done = asyncio.run(go(3))
+    assert [c.finish.prefill_calls for c in done[1:]] == [0, 0]
+    assert [c.finish.reused_tokens for c in done[1:]] == [len(prompt)] * 2
+    assert len({tuple(c.token_ids) for c in done}) == 3  # seeds 5, 6, 7: three different samples
+    # Each choice is the request it would be alone: the same seed on a cold cache draws the same tokens.
+    cold = start_engine(tiny_host)
+    try:
+        alone, _, _ = run(cold, prompt, 6, sampling=replace(params, seed=6), ignore_eos=True)
+    finally:
+        cold.stop()
+    assert alone == done[1].token_ids
 
 
 def test_without_the_embedding_scale_the_model_diverges(tiny_host: Host, reference_model: torch.nn.Module) -> None:

@@ -140,7 +140,10 @@ ROWS = [
     Row("logit_bias-NaN-value", CHAT, raw_chat(b'"logit_bias": {"5": NaN}'), param="logit_bias.5"),
     Row("logit_bias-word-key", CHAT, chat(logit_bias={"abc": 1}), param="logit_bias"),
     Row("n-0", CHAT, chat(n=0), param="n"),
-    Row("n-5", COMPLETIONS, {"prompt": "x", "n": 5}, param="n"),
+    Row("n-9", COMPLETIONS, {"prompt": "x", "n": 9}, param="n"),  # --max-n 8
+    Row("prompts-times-n-over-max", COMPLETIONS, {"prompt": ["x"] * 5, "n": 2}, param="prompt"),
+    Row("prompt-list-mixed", COMPLETIONS, {"prompt": ["x", [2, 3]]}, param="prompt"),
+    Row("prompt-list-empty-ids", COMPLETIONS, {"prompt": [[2], []]}, param="prompt"),
     Row("best_of-3", COMPLETIONS, {"prompt": "x", "best_of": 3}, param="best_of"),
     Row("stop-100", CHAT, chat(stop=[str(i) for i in range(100)]), param="stop"),
     # --- over the context, outside the vocabulary

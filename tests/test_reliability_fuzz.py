@@ -117,7 +117,7 @@ VALID_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "logit_bias": st.dictionaries(st.integers(0, 262_143).map(str), st.floats(-100, 100), max_size=3),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "n": st.just(1),
+    "n": st.integers(1, 2),
 }
 VALID: dict[type, tuple[dict[str, st.SearchStrategy[Any]], dict[str, st.SearchStrategy[Any]]]] = {  # required, optional
     ChatCompletionRequest: ({"messages": st.lists(valid_message, min_size=1, max_size=3)},

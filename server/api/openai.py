@@ -281,6 +281,7 @@ class ChatPlan:
     new_parser: Callable[[], OutputParser]
     keep_special_tokens: bool
 
+
 # ----------------------------------------------------------------------------------------------------------
 # Routes
 
