@@ -313,11 +313,11 @@ def test_errors_raise_the_right_openai_exceptions(client: OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=["one", "two"])
+        client.completions.create(model=MODEL, prompt=["one", [2, 3]])  # type: ignore[list-item]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", logprobs=6)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", n=3)
+        client.completions.create(model=MODEL, prompt="x", n=9)
 
 
 @pytest.mark.parametrize(

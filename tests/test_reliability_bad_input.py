@@ -112,7 +112,7 @@ ROWS = [
         {"type": "text", "text": "read this"}, {"type": "file", "file": {"path": "/etc/passwd"}}]}]},
         param="messages[0].content"),
     Row("prompt-empty-list", COMPLETIONS, {"prompt": []}, param="prompt"),
-    Row("prompt-nested-lists", COMPLETIONS, {"prompt": [[1, 2]]}, param="prompt"),
+    Row("prompt-nested-lists", COMPLETIONS, {"prompt": [[1, [2]]]}, param="prompt"),  # [[1, 2]] is a list of prompts
     Row("prompt-bools", COMPLETIONS, {"prompt": [True, False]}, param="prompt"),
     # --- absurd, negative, NaN numbers
     Row("temperature-negative", CHAT, chat(temperature=-0.5), param="temperature"),
@@ -139,6 +139,7 @@ ROWS = [
     Row("logit_bias-5000-digit-key", CHAT, chat(logit_bias={"9" * 5000: 1}), param="logit_bias"),
     Row("logit_bias-NaN-value", CHAT, raw_chat(b'"logit_bias": {"5": NaN}'), param="logit_bias.5"),
     Row("logit_bias-word-key", CHAT, chat(logit_bias={"abc": 1}), param="logit_bias"),
+    Row("ignored-field-Infinity", CHAT, raw_chat(b'"user": Infinity'), param="user"),
     Row("n-0", CHAT, chat(n=0), param="n"),
     Row("n-9", COMPLETIONS, {"prompt": "x", "n": 9}, param="n"),  # --max-n 8
     Row("prompts-times-n-over-max", COMPLETIONS, {"prompt": ["x"] * 5, "n": 2}, param="prompt"),

@@ -15,6 +15,7 @@ Deliberate choices (do not "fix" these without reading why):
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,13 +53,26 @@ class _Request(_Body):
 
     @model_validator(mode="after")
     def _no_silent_drops(self) -> _Request:
-        for name in self.model_extra or {}:
+        for name, value in (self.model_extra or {}).items():
             if name in IGNORED_FIELDS:
+                if not _finite(value):  # the JSON parser reads Infinity/NaN into untyped fields: refused everywhere
+                    raise PydanticCustomError("finite_number", "{name}: NaN and infinity are not valid JSON numbers",
+                                              {"name": name, "param": name})
                 continue
             why = REFUSED_HINTS.get(name, "this server does not support it, and ignoring it could change the output")
             raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
                                       {"name": name[:64], "why": why, "param": name[:64]})
         return self
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
 
 
 class StreamOptions(_Body):
