@@ -43,7 +43,6 @@ EXIT_INVALID = 5
 # Left free on top of the download: a disk filled to the last byte breaks the server's logs and the
 # Neuron runtime's scratch files long after the download itself succeeded.
 HEADROOM_BYTES = 256 * 1024 * 1024
-HASH_BLOCK = 8 * 1024 * 1024  # hashing streams the file: a 25 GB graph never sits in a 16 GB host's RAM
 # Our own bookkeeping beside huggingface_hub's `.cache/huggingface/` in the destination.
 STATE_DIR = Path(".cache") / "gemma4-optb"
 HF_STATE_DIR = Path(".cache") / "huggingface"
@@ -252,7 +251,7 @@ def verify(dest: Path, files: Iterable[RemoteFile]) -> list[str]:
         # Only big files are worth a line: hashing 25 GB takes minutes, and the user should know why it is quiet.
         log.log(logging.INFO if stat.st_size >= 64 << 20 else logging.DEBUG, "fetch: verifying %s (%s, %s)",
                 remote.path, _human(stat.st_size), algorithm)
-        actual = _sha256(local) if algorithm == "sha256" else _git_blob_sha1(local)
+        actual = _digest(local, algorithm)
         if actual != expected:
             problems.append(f"{remote.path}: {algorithm} {actual}, the Hub says {expected}")
             _discard(dest, remote.path, record)
@@ -295,21 +294,14 @@ def _remove_orphans(dest: Path) -> int:
     return freed
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def _digest(path: Path, algorithm: str) -> str:
+    """The content's sha256, or its git object id ("git-sha1": what the Hub reports as `blobId` for files not in LFS).
+    hashlib streams the file: a 25 GB graph never sits in a 16 GB host's RAM."""
     with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _git_blob_sha1(path: Path) -> str:
-    """The git object id of a file's content: what the Hub reports as `blobId` for files not in LFS."""
-    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's id, not security
-    with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+        if algorithm == "sha256":
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+        header = f"blob {path.stat().st_size}\0".encode()
+        return hashlib.file_digest(handle, lambda: hashlib.sha1(header)).hexdigest()  # noqa: S324 - git's id
 
 
 def _disk_free(dest: Path) -> int:
