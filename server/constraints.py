@@ -42,16 +42,12 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from server.protocol.base import ProtocolError
 from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
 
 
-class ConstraintError(ValueError):
+class ConstraintError(ProtocolError):
     """The request's schema, tools or tool_choice cannot be enforced: the API answers 400 naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -180,8 +176,7 @@ class BannedTokens(Constraint):
 
     def __init__(self, banned: Iterable[int], mask_words: int) -> None:
         self.banned = tuple(sorted(set(banned)))
-        self._mask = np.full(mask_words, -1, dtype=np.int32)
-        _clear_bits(self._mask, self.banned)
+        self._mask = _bitmask(self.banned, mask_words, allowed=False)
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
         bitmask[:] = self._mask
@@ -197,8 +192,7 @@ class StopAfterCall(Constraint):
         self._close = call_close
         self._closed = False
         self._all = np.full(mask_words, -1, dtype=np.int32)
-        self._stops = np.zeros(mask_words, dtype=np.int32)
-        _set_bits(self._stops, stop_ids)
+        self._stops = _bitmask(stop_ids, mask_words, allowed=True)
         self._stop_ids = frozenset(stop_ids)
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
@@ -215,15 +209,11 @@ class StopAfterCall(Constraint):
         return self._closed
 
 
-def _clear_bits(mask: np.ndarray, ids: Iterable[int]) -> None:
-    for token_id in ids:
-        mask[token_id >> 5] &= np.int32(~(1 << (token_id & 31)) if (token_id & 31) != 31 else 0x7FFFFFFF)
-
-
-def _set_bits(mask: np.ndarray, ids: Iterable[int]) -> None:
-    for token_id in ids:
-        bit = token_id & 31
-        mask[token_id >> 5] |= np.int32(1 << bit) if bit != 31 else np.int32(-(1 << 31))
+def _bitmask(ids: Iterable[int], mask_words: int, *, allowed: bool) -> np.ndarray:
+    """A bitmask (the layout of `Constraint.fill_mask`) allowing exactly `ids`, or everything but `ids`."""
+    bits = np.full(mask_words * 32, not allowed, dtype=np.uint8)
+    bits[list(ids)] = allowed
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def allowed_ids(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -583,7 +573,6 @@ class VocabLoader:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.build_s: float | None = None
 
     def start(self) -> None:
         with self._lock:
@@ -592,25 +581,15 @@ class VocabLoader:
                 self._thread.start()
 
     def _run(self) -> None:
-        start = time.perf_counter()
         try:
             self._vocab = self._build()
         except Exception as exc:  # noqa: BLE001 - reported to every constrained request, the server keeps serving
             self._error = f"{type(exc).__name__}: {exc}"
-        self.build_s = time.perf_counter() - start
         self._done.set()
 
     @property
     def started(self) -> bool:
         return self._thread is not None
-
-    @property
-    def ready(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def error(self) -> str | None:
-        return self._error
 
     def wait(self, timeout: float) -> GrammarVocab | None:
         """The vocabulary, or None when it is still building after `timeout`; raises RuntimeError if it failed."""
