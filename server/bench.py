@@ -106,10 +106,22 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile."""
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[index]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def report(results: dict[str, Any], json_path: Path | None = None) -> None:
+    """A table, then the results as one JSON line (also written to `json_path`)."""
+    width = max(len(k) for k in results)
+    print(f"{'metric':<{width}}  value")
+    for key, value in results.items():
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
+    print(line)
+    if json_path is not None:
+        json_path.write_text(line + "\n", encoding="utf-8")
 
 
 def full_sort_top_p(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
@@ -215,7 +227,7 @@ def measure_engine(host: Host, tokens: int) -> dict[str, float]:
             params = SamplingParams(**sampling)
             gaps = asyncio.run(go(params)) + asyncio.run(go(params))
             results[f"engine_ms_per_token_p50{label}"] = statistics.median(gaps)
-            results[f"engine_ms_per_token_p99{label}"] = _percentile(gaps, 99)
+            results[f"engine_ms_per_token_p99{label}"] = percentile(gaps, 99)
     finally:
         engine.stop()
     return results
@@ -369,7 +381,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
             results[f"device_step_ms_measured{label}"] = step
             overhead = [gap - step for gap in gaps]
             results[f"host_overhead_ms_per_token_p50{label}"] = statistics.median(overhead)
-            results[f"host_overhead_ms_per_token_p99{label}"] = _percentile(overhead, 99)
+            results[f"host_overhead_ms_per_token_p99{label}"] = percentile(overhead, 99)
     finally:
         server.close()
     return results
@@ -391,12 +403,5 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
     results.update(measure_engine(host, tokens))
     results.update(measure_prefix_reuse(host))
     results.update(measure_server(root, cache_root, host.tokenizer, tokens))
-    width = max(len(k) for k in results)
-    print(f"{'metric':<{width}}  value")
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
-    print(line)
-    if json_path is not None:
-        json_path.write_text(line + "\n", encoding="utf-8")
+    report(results, json_path)
     return 0

@@ -14,7 +14,6 @@ which the kernel can drop, not anonymous memory, which on a 16 GB host needs RAM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -91,12 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph", default="jit")
     parser.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    result = measure_load_memory(args.artifacts, args.graph)
-    for key, value in result.items():
-        print(f"{key:<32} {value:10.2f}")
-    if args.json_path is not None:
-        args.json_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    from server.bench import report
+
+    report(measure_load_memory(args.artifacts, args.graph), args.json_path)
     return 0
 
 
