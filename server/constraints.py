@@ -151,9 +151,8 @@ class Constraint:
 
 
 class GrammarConstraint(Constraint):
-    def __init__(self, matcher: llguidance.LLMatcher, description: str) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
-        self.description = description
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
         assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
@@ -165,10 +164,6 @@ class GrammarConstraint(Constraint):
     @property
     def is_finished(self) -> bool:
         return bool(self._matcher.is_stopped())
-
-    @property
-    def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
 
 
 class BannedTokens(Constraint):
@@ -245,7 +240,7 @@ def build_constraint(vocab: GrammarVocab, *, response_format: Mapping[str, Any] 
     if fmt != "text":
         schema = _response_schema(response_format or {}, vocab.limits)
         grammar = _with_thought(vocab, f"%json {json.dumps(schema)}", thought)
-        return GrammarConstraint(vocab.matcher(grammar), fmt)
+        return GrammarConstraint(vocab.matcher(grammar))
     if not tools or choice == "auto" and parallel_tool_calls:
         return None
     if not native_tools:
@@ -256,7 +251,7 @@ def build_constraint(vocab: GrammarVocab, *, response_format: Mapping[str, Any] 
         return StopAfterCall(vocab.markers[CALL_CLOSE], vocab.stop_ids, vocab.mask_words)
     names = [tool_choice["function"]["name"]] if choice == "named" else None  # type: ignore[index]
     grammar = tool_call_grammar(vocab, tools, names, parallel=parallel_tool_calls, thought=thought)
-    return GrammarConstraint(vocab.matcher(grammar), f"tool_choice={choice}")
+    return GrammarConstraint(vocab.matcher(grammar))
 
 
 def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None) -> str:

@@ -68,6 +68,8 @@ _NAME = re.compile(r"\s*(?:call:)?\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
 _BARE_CALL = re.compile(r"call:([A-Za-z_][\w.\-]*)\{")
 _BARE_START = re.compile(r"(?<![\w.\-])call:")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_BARE_KEY = re.compile(r"[^\s:{}\[\],<>]+")
+_BARE_VALUE = re.compile(r"[^,}\]<]+")
 _MAX_CALL_CHARS = 1 << 20  # a "call" longer than this is not one: release it as content
 
 
@@ -176,47 +178,43 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
+def _items(text: str, i: int, close: str, item: Callable[[str, int], tuple[Any, int]]) -> tuple[list[Any], int]:
+    """The comma-separated items of the object or array opening at `i`, each read by `item`; and the index past it."""
+    items: list[Any] = []
+    i = _skip(text, i + 1)
+    if text.startswith(close, i):
+        return items, i + 1
+    while True:
+        value, i = item(text, i)
+        items.append(value)
+        i = _skip(text, i)
+        if text.startswith(close, i):
+            return items, i + 1
+        if not text.startswith(",", i):
+            raise _Syntax(f"expected ',' or '{close}' at {i}")
+        i = _skip(text, i + 1)
+
+
 def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
     if not text.startswith("{", i):
         raise _Syntax(f"expected '{{' at {i}")
-    result: dict[str, Any] = {}
-    i = _skip(text, i + 1)
-    if text.startswith("}", i):
-        return result, i + 1
-    while True:
-        if text.startswith(QUOTE, i):
-            key, i = _string(text, i)
-        else:
-            match = re.compile(r"[^\s:{}\[\],<>]+").match(text, i)
-            if match is None:
-                raise _Syntax(f"expected a key at {i}")
-            key, i = match.group(), match.end()
-        i = _skip(text, i)
-        if not text.startswith(":", i):
-            raise _Syntax(f"expected ':' at {i}")
-        result[key], i = _value(text, _skip(text, i + 1))
-        i = _skip(text, i)
-        if text.startswith("}", i):
-            return result, i + 1
-        if not text.startswith(",", i):
-            raise _Syntax(f"expected ',' or '}}' at {i}")
-        i = _skip(text, i + 1)
+    members, end = _items(text, i, "}", _member)
+    return dict(members), end
 
 
-def _array(text: str, i: int) -> tuple[list[Any], int]:
-    items: list[Any] = []
-    i = _skip(text, i + 1)
-    if text.startswith("]", i):
-        return items, i + 1
-    while True:
-        item, i = _value(text, i)
-        items.append(item)
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return items, i + 1
-        if not text.startswith(",", i):
-            raise _Syntax(f"expected ',' or ']' at {i}")
-        i = _skip(text, i + 1)
+def _member(text: str, i: int) -> tuple[tuple[str, Any], int]:
+    if text.startswith(QUOTE, i):
+        key, i = _string(text, i)
+    else:
+        match = _BARE_KEY.match(text, i)
+        if match is None:
+            raise _Syntax(f"expected a key at {i}")
+        key, i = match.group(), match.end()
+    i = _skip(text, i)
+    if not text.startswith(":", i):
+        raise _Syntax(f"expected ':' at {i}")
+    value, i = _value(text, _skip(text, i + 1))
+    return (key, value), i
 
 
 def _string(text: str, i: int) -> tuple[str, int]:
@@ -232,8 +230,8 @@ def _value(text: str, i: int) -> tuple[Any, int]:
     if text.startswith("{", i):
         return _object(text, i)
     if text.startswith("[", i):
-        return _array(text, i)
-    match = re.compile(r"[^,}\]<]+").match(text, i)
+        return _items(text, i, "]", _value)
+    match = _BARE_VALUE.match(text, i)
     if match is None:
         raise _Syntax(f"expected a value at {i}")
     bare = match.group().strip()
@@ -253,9 +251,7 @@ def format_value(value: Any) -> str:
     """A JSON value in Gemma's syntax (what the chat template writes; the inverse of the parser)."""
     if isinstance(value, str):
         return f"{QUOTE}{value}{QUOTE}"
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (bool, int, float)) or value is None:
         return json.dumps(value)
     if isinstance(value, Mapping):
         return "{" + ",".join(f"{key}:{format_value(item)}" for key, item in sorted(value.items())) + "}"
