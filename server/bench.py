@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from server.bench_load import status_kib
 from server.generation import SamplingParams
 
 if TYPE_CHECKING:
@@ -97,13 +98,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -347,7 +341,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
     server = _Server(root, cache_dir)
     try:
         results["ready_s_without_graph"] = server.ready_s
-        results["rss_mb_ready"] = _rss_mb(server.proc.pid)
+        results["rss_mb_ready"] = status_kib(server.proc.pid, "VmRSS") / 1024
         ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)
         chat_prompt = tokenizer.decode(ids[:110])  # + the template's turn markers: a ~120-token chat prompt
         server.stream(DEFAULT_SAMPLING, "warm up", 16)
@@ -363,7 +357,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
         results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
         templated = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompt}], add_generation_prompt=True)
         results["ttft_prompt_tokens"] = len(tokenizer.encode(templated, add_special_tokens=False))
-        results["rss_mb_after_streams"] = _rss_mb(server.proc.pid)
+        results["rss_mb_after_streams"] = status_kib(server.proc.pid, "VmRSS") / 1024
     finally:
         server.close()
 

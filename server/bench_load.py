@@ -37,12 +37,13 @@ while True:
 """
 
 
-def rss_anon_kib(pid: int | str = "self") -> int:
+def status_kib(pid: int | str = "self", field: str = "RssAnon") -> int:
+    """A memory figure of /proc/PID/status (RssAnon, VmRSS, ...), in KiB."""
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/PID/status (Linux only)")
+    raise RuntimeError(f"no {field} in /proc/PID/status (Linux only)")
 
 
 def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
@@ -52,7 +53,7 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
 
     host = load_host(root, graph)
     weight_bytes = sum((root / f).stat().st_size for f in host.spec.weight_files)
-    baseline = rss_anon_kib()
+    baseline = status_kib()
     sampler = subprocess.Popen([sys.executable, "-c", SAMPLER, str(os.getpid()), "0.002"], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     assert sampler.stdout is not None and sampler.stdin is not None
@@ -62,7 +63,7 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
     load_s = time.monotonic() - started
     sampler.stdin.write("next\n")
     sampler.stdin.flush()
-    load_peak = max(int(sampler.stdout.readline()), rss_anon_kib())
+    load_peak = max(int(sampler.stdout.readline()), status_kib())
     # One decode step: the weights are really read (file pages come in as RssFile, not RssAnon). Its transient
     # working memory is the compute's, not the load's, and reported apart.
     with torch.inference_mode():
@@ -71,7 +72,7 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
     sampler.stdin.close()
     step_peak = int(sampler.stdout.readline())
     sampler.wait()
-    after = rss_anon_kib()
+    after = status_kib()
     return {
         "graph_weight_file_mb": weight_bytes / 1e6,
         "graph_file_mb": (host.artifacts.graph_file.stat().st_size / 1e6) if host.artifacts.graph_file else 0.0,
