@@ -32,8 +32,7 @@ CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
 CONTRACTS = (CONTRACT, CONTRACT_V2)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
-ALLOW_PATTERNS = ("cfg/*", "embed_tokens.pt", "embed_tokens.safetensors", "sqz_neff.pt", "model.pt", GRAPH_JSON,
-                  "weights/*.safetensors")
+ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors")
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
 
 _HOW_TO_GET = (

@@ -212,11 +212,9 @@ def _download(repo: str, dest: Path, *, commit: str | None, token: str | None, e
     try:
         snapshot_download(repo, revision=commit, local_dir=dest, allow_patterns=list(ALLOW_PATTERNS), token=token,
                           endpoint=endpoint)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:  # something else filled the disk while we downloaded
-            raise FetchError(EXIT_DISK, f"the disk holding {dest} filled up during the download: {exc}") from None
-        raise FetchError(EXIT_HUB, f"download of {repo} failed: {_reason(exc)}. Run again to continue.") from None
     except Exception as exc:  # noqa: BLE001 - network and Hub errors of any kind: a message, not a traceback
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # something else filled the disk meanwhile
+            raise FetchError(EXIT_DISK, f"the disk holding {dest} filled up during the download: {exc}") from None
         raise FetchError(EXIT_HUB, f"download of {repo} failed: {_reason(exc)}. Run again to continue.") from None
 
 
