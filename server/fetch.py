@@ -181,17 +181,13 @@ def check_disk_space(dest: Path, files: Iterable[RemoteFile], free_bytes: FreeBy
     A local file of the right size counts as done (its content is verified after the download). A local file
     of another size is deleted by huggingface_hub before it downloads the new one, so only the growth counts.
     """
-    needed = 0
-    pending = 0
+    growth = []  # bytes still to come, one entry per file to download
     for remote in files:
-        if remote.size is None:
-            continue
         local = dest / remote.path
-        have = local.stat().st_size if local.is_file() else 0
-        if local.is_file() and have == remote.size:
-            continue
-        pending += 1
-        needed += max(0, remote.size - have)
+        have = local.stat().st_size if local.is_file() else None
+        if remote.size is not None and have != remote.size:
+            growth.append(max(0, remote.size - (have or 0)))
+    pending, needed = len(growth), sum(growth)
     if pending == 0:
         return 0
     free = (free_bytes or _disk_free)(dest)
@@ -279,10 +275,7 @@ def _remove_orphans(dest: Path) -> int:
     lock, so no live fetch owns one.
     """
     freed = 0
-    root = dest / HF_STATE_DIR / "download"
-    if not root.is_dir():
-        return 0
-    for orphan in root.rglob("*.incomplete"):
+    for orphan in (dest / HF_STATE_DIR / "download").rglob("*.incomplete"):  # none when the directory is missing
         try:
             size = orphan.stat().st_size
             orphan.unlink()

@@ -369,25 +369,17 @@ class Gemma4Parser(OutputParser):
         """`rest` starts with `call:` in content: a call whose `<|tool_call>` is missing, or just text."""
         self._buf = rest
         match = _BARE_CALL.match(rest)
-        if match is None:
-            if final or len(rest) > 5 + 128 or not _could_start_bare_call(rest):
+        end = None if match is None else _closing_brace(rest, match.end() - 1)
+        if end is None:  # not (yet) a whole `call:NAME{...}`: held while it may still become one
+            growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _could_start_bare_call(rest)
+            if final or not growing:
                 self._emit_text("call:")
                 self._buf = rest[len("call:"):]
             return
-        end = _closing_brace(rest, match.end() - 1)
-        if end is None:
-            if final or len(rest) > _MAX_CALL_CHARS:
-                self._emit_text("call:")
-                self._buf = rest[len("call:"):]
-            return
-        after = rest[end:]
-        tail = after.lstrip()
-        if tail.startswith(CALL_CLOSE):
-            closed = True
-        elif not final and CALL_CLOSE.startswith(tail):
+        tail = rest[end:].lstrip()
+        closed = tail.startswith(CALL_CLOSE)
+        if not closed and not final and CALL_CLOSE.startswith(tail):
             return  # wait: the closing token may come next
-        else:
-            closed = False
         ends_answer = not tail or tail.startswith(CALL_OPEN) or _BARE_START.match(tail) is not None
         parsed = parse_call(rest[:end], self._tool_names)
         declared = parsed is not None and parsed[0] in self._tool_names
