@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from server.artifacts import GraphSpec
 from server.bench_load import status_kib
 from server.generation import SamplingParams
 
@@ -87,9 +88,7 @@ def bench_artifacts(cache_root: Path) -> Path:
         table[start : start + 16_384] = torch.randn(16_384, HIDDEN, generator=generator).mul_(0.02).to(torch.bfloat16)
     torch.save(table, staging / "embed_tokens.pt")
     del table
-    (staging / "graph.json").write_text(json.dumps({"contract": "gemma4-optb/v1", "max_total": MAX_TOTAL,
-                                                    "prefill_bucket": BUCKET, "input_dtype": "float32",
-                                                    "softcap_in_graph": False, "tp": 2}))
+    (staging / "graph.json").write_text(json.dumps(GraphSpec(max_total=MAX_TOTAL, prefill_bucket=BUCKET).to_json()))
     staging.rename(root)
     return root
 

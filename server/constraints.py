@@ -354,6 +354,7 @@ _INTEGER = r"/-?(0|[1-9][0-9]{0,17})/"
 # Exponents of two digits at most: every number the grammar allows is a finite float (no "Infinity" in JSON).
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,2})?/"
 _KEY = re.compile(r"[^\s:{}\[\],<>\"|]+")
+_SCALARS = {"integer": _INTEGER, "number": _NUMBER, "boolean": '"true" | "false"', "null": '"null"'}  # Lark bodies
 
 
 class GemmaGrammar:
@@ -418,16 +419,10 @@ class GemmaGrammar:
         return alternatives[0] if len(alternatives) == 1 else self._rule(" | ".join(alternatives))
 
     def _typed(self, kind: str, schema: Mapping[str, Any], where: str, depth: int) -> str:
+        if kind in _SCALARS:
+            return self._rule(_SCALARS[kind])
         if kind == "string":
             return self._string(schema, where)
-        if kind == "integer":
-            return self._rule(_INTEGER)
-        if kind == "number":
-            return self._rule(_NUMBER)
-        if kind == "boolean":
-            return self._rule('"true" | "false"')
-        if kind == "null":
-            return self._rule('"null"')
         if kind == "array":
             return self._array(schema, where, depth)
         return self._object(schema, where, depth)
