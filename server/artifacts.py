@@ -165,11 +165,8 @@ class ArtifactDir:
         """`auto` picks the compiled graph when present, else the transformers reference graph."""
         if kind != "auto":
             return kind
-        if self.graph_file is not None:
-            return "jit"
-        if (self.hf / "config.json").is_file():
-            return "hf"
-        return "jit"  # so validate() names the missing compiled graph, the production case
+        # Without either, jit: validate() then names the missing compiled graph, the production case.
+        return "hf" if self.graph_file is None and (self.hf / "config.json").is_file() else "jit"
 
     def model_name(self) -> str:
         """A default served model name: the checkpoint's `_name_or_path`, else the directory's name."""

@@ -62,14 +62,6 @@ class HostEmbedding:
     def open(cls, path: Path | str, scale: float, dtype: torch.dtype | None = None) -> HostEmbedding:
         return cls(open_table(path), scale, dtype)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.table.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.table.shape[1]
-
     def lookup(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """ids [T] or [1, T] -> [1, T, H] in the compute dtype."""
         if self._row_scale is not None and isinstance(ids, list) and len(ids) == 1:
