@@ -20,7 +20,6 @@ from server.process import freeze_heap, single_threaded_torch
 from server.structure import ModelStructure
 from server.tokenizer import HostTokenizer
 
-
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (
     " a the of and to in is that for it with as was on be by at this are from or have an they which one you were"

@@ -335,7 +335,10 @@ class Gemma4Parser(OutputParser):
             self._emit_text(self._buf)
             self._buf = ""
 
-    def _next_event(self, patterns: Sequence[str], bare: bool) -> tuple[int, str] | None:
+    def _to_marker(self, patterns: Sequence[str], bare: bool, final: bool) -> str | None:
+        """Emit the text before the first of `patterns` (or of a bare `call:`) and return that marker, the buffer now
+        starting with it. With none in the buffer: emit it, except a tail that may still become one (all of it when
+        final), and return None."""
         best: tuple[int, str] | None = None
         for pattern in patterns:
             at = self._buf.find(pattern)
@@ -345,29 +348,25 @@ class Gemma4Parser(OutputParser):
             match = _BARE_START.search(self._buf)
             if match and (best is None or match.start() < best[0]):
                 best = (match.start(), "call:")
-        return best
+        at, marker = best or (len(self._buf) if final else self._held_from(self._buf), None)
+        self._emit_text(self._buf[:at])
+        self._buf = self._buf[at:]
+        return marker
 
     def _drain_content(self, final: bool) -> None:
         patterns = [CHANNEL_OPEN, CHANNEL_CLOSE] + ([CALL_OPEN, CALL_CLOSE] if self._tools else [])
-        event = self._next_event(patterns, bare=self._tools)
-        if event is None:
-            self._emit_unheld(final)
-            return
-        at, marker = event
-        self._emit_text(self._buf[:at])
-        rest = self._buf[at:]
+        marker = self._to_marker(patterns, bare=self._tools, final=final)
         if marker == CHANNEL_OPEN:
-            self._mode, self._buf = "header", rest[len(marker):]
+            self._mode, self._buf = "header", self._buf[len(marker):]
         elif marker == CALL_OPEN:
-            self._mode, self._buf = "call", rest[len(marker):]
+            self._mode, self._buf = "call", self._buf[len(marker):]
         elif marker in (CHANNEL_CLOSE, CALL_CLOSE):  # a closer with nothing open: the marker alone is dropped
-            self._buf = rest[len(marker):]
-        else:
-            self._bare_call(rest, final)
+            self._buf = self._buf[len(marker):]
+        elif marker is not None:
+            self._bare_call(self._buf, final)
 
     def _bare_call(self, rest: str, final: bool) -> None:
-        """`rest` starts with `call:` in content: a call whose `<|tool_call>` is missing, or just text."""
-        self._buf = rest
+        """`rest` (the buffer) starts with `call:` in content: a call whose `<|tool_call>` is missing, or just text."""
         match = _BARE_CALL.match(rest)
         end = None if match is None else _closing_brace(rest, match.end() - 1)
         if end is None:  # not (yet) a whole `call:NAME{...}`: held while it may still become one
@@ -401,21 +400,11 @@ class Gemma4Parser(OutputParser):
         elif len(self._buf) > 64 or final:
             self._mode = "reasoning"
 
-    def _emit_unheld(self, final: bool) -> None:
-        """No marker in the buffer: emit it, except a tail that may still become one (all of it when final)."""
-        cut = len(self._buf) if final else self._held_from(self._buf)
-        self._emit_text(self._buf[:cut])
-        self._buf = self._buf[cut:]
-
     def _drain_reasoning(self, final: bool) -> None:
-        event = self._next_event([CHANNEL_CLOSE] + ([CALL_OPEN] if self._tools else []), bare=False)
-        if event is None:
-            self._emit_unheld(final)
-            return
-        at, marker = event
-        self._emit_text(self._buf[:at])
-        self._mode = "content" if marker == CHANNEL_CLOSE else "call"
-        self._buf = self._buf[at + len(marker):]
+        marker = self._to_marker([CHANNEL_CLOSE] + ([CALL_OPEN] if self._tools else []), bare=False, final=final)
+        if marker is not None:
+            self._mode = "content" if marker == CHANNEL_CLOSE else "call"
+            self._buf = self._buf[len(marker):]
 
     def _drain_call(self, final: bool) -> None:
         close, reopen = self._buf.find(CALL_CLOSE), self._buf.find(CALL_OPEN)
