@@ -32,8 +32,7 @@ CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
 CONTRACTS = (CONTRACT, CONTRACT_V2)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
-ALLOW_PATTERNS = ("cfg/*", "embed_tokens.pt", "embed_tokens.safetensors", "sqz_neff.pt", "model.pt", GRAPH_JSON,
-                  "weights/*.safetensors")
+ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors")
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
 
 _HOW_TO_GET = (
@@ -166,11 +165,8 @@ class ArtifactDir:
         """`auto` picks the compiled graph when present, else the transformers reference graph."""
         if kind != "auto":
             return kind
-        if self.graph_file is not None:
-            return "jit"
-        if (self.hf / "config.json").is_file():
-            return "hf"
-        return "jit"  # so validate() names the missing compiled graph, the production case
+        # Without either, jit: validate() then names the missing compiled graph, the production case.
+        return "hf" if self.graph_file is None and (self.hf / "config.json").is_file() else "jit"
 
     def model_name(self) -> str:
         """A default served model name: the checkpoint's `_name_or_path`, else the directory's name."""

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from server.artifacts import GraphSpec
+from server.bench_load import status_kib
 from server.generation import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,9 +88,7 @@ def bench_artifacts(cache_root: Path) -> Path:
         table[start : start + 16_384] = torch.randn(16_384, HIDDEN, generator=generator).mul_(0.02).to(torch.bfloat16)
     torch.save(table, staging / "embed_tokens.pt")
     del table
-    (staging / "graph.json").write_text(json.dumps({"contract": "gemma4-optb/v1", "max_total": MAX_TOTAL,
-                                                    "prefill_bucket": BUCKET, "input_dtype": "float32",
-                                                    "softcap_in_graph": False, "tp": 2}))
+    (staging / "graph.json").write_text(json.dumps(GraphSpec(max_total=MAX_TOTAL, prefill_bucket=BUCKET).to_json()))
     staging.rename(root)
     return root
 
@@ -99,17 +99,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile."""
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[index]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def report(results: dict[str, Any], json_path: Path | None = None) -> None:
+    """A table, then the results as one JSON line (also written to `json_path`)."""
+    width = max(len(k) for k in results)
+    print(f"{'metric':<{width}}  value")
+    for key, value in results.items():
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
+    print(line)
+    if json_path is not None:
+        json_path.write_text(line + "\n", encoding="utf-8")
 
 
 def full_sort_top_p(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
@@ -215,7 +220,7 @@ def measure_engine(host: Host, tokens: int) -> dict[str, float]:
             params = SamplingParams(**sampling)
             gaps = asyncio.run(go(params)) + asyncio.run(go(params))
             results[f"engine_ms_per_token_p50{label}"] = statistics.median(gaps)
-            results[f"engine_ms_per_token_p99{label}"] = _percentile(gaps, 99)
+            results[f"engine_ms_per_token_p99{label}"] = percentile(gaps, 99)
     finally:
         engine.stop()
     return results
@@ -335,7 +340,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
     server = _Server(root, cache_dir)
     try:
         results["ready_s_without_graph"] = server.ready_s
-        results["rss_mb_ready"] = _rss_mb(server.proc.pid)
+        results["rss_mb_ready"] = status_kib(server.proc.pid, "VmRSS") / 1024
         ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)
         chat_prompt = tokenizer.decode(ids[:110])  # + the template's turn markers: a ~120-token chat prompt
         server.stream(DEFAULT_SAMPLING, "warm up", 16)
@@ -351,7 +356,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
         results["ttft_host_overhead_ms_p50"] = statistics.median(ttfts)
         templated = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompt}], add_generation_prompt=True)
         results["ttft_prompt_tokens"] = len(tokenizer.encode(templated, add_special_tokens=False))
-        results["rss_mb_after_streams"] = _rss_mb(server.proc.pid)
+        results["rss_mb_after_streams"] = status_kib(server.proc.pid, "VmRSS") / 1024
     finally:
         server.close()
 
@@ -369,7 +374,7 @@ def measure_server(root: Path, cache_dir: Path, tokenizer: HostTokenizer, tokens
             results[f"device_step_ms_measured{label}"] = step
             overhead = [gap - step for gap in gaps]
             results[f"host_overhead_ms_per_token_p50{label}"] = statistics.median(overhead)
-            results[f"host_overhead_ms_per_token_p99{label}"] = _percentile(overhead, 99)
+            results[f"host_overhead_ms_per_token_p99{label}"] = percentile(overhead, 99)
     finally:
         server.close()
     return results
@@ -391,12 +396,5 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
     results.update(measure_engine(host, tokens))
     results.update(measure_prefix_reuse(host))
     results.update(measure_server(root, cache_root, host.tokenizer, tokens))
-    width = max(len(k) for k in results)
-    print(f"{'metric':<{width}}  value")
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
-    print(line)
-    if json_path is not None:
-        json_path.write_text(line + "\n", encoding="utf-8")
+    report(results, json_path)
     return 0

@@ -14,7 +14,6 @@ which the kernel can drop, not anonymous memory, which on a 16 GB host needs RAM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -38,12 +37,13 @@ while True:
 """
 
 
-def rss_anon_kib(pid: int | str = "self") -> int:
+def status_kib(pid: int | str = "self", field: str = "RssAnon") -> int:
+    """A memory figure of /proc/PID/status (RssAnon, VmRSS, ...), in KiB."""
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/PID/status (Linux only)")
+    raise RuntimeError(f"no {field} in /proc/PID/status (Linux only)")
 
 
 def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
@@ -53,7 +53,7 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
 
     host = load_host(root, graph)
     weight_bytes = sum((root / f).stat().st_size for f in host.spec.weight_files)
-    baseline = rss_anon_kib()
+    baseline = status_kib()
     sampler = subprocess.Popen([sys.executable, "-c", SAMPLER, str(os.getpid()), "0.002"], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     assert sampler.stdout is not None and sampler.stdin is not None
@@ -63,7 +63,7 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
     load_s = time.monotonic() - started
     sampler.stdin.write("next\n")
     sampler.stdin.flush()
-    load_peak = max(int(sampler.stdout.readline()), rss_anon_kib())
+    load_peak = max(int(sampler.stdout.readline()), status_kib())
     # One decode step: the weights are really read (file pages come in as RssFile, not RssAnon). Its transient
     # working memory is the compute's, not the load's, and reported apart.
     with torch.inference_mode():
@@ -72,7 +72,7 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
     sampler.stdin.close()
     step_peak = int(sampler.stdout.readline())
     sampler.wait()
-    after = rss_anon_kib()
+    after = status_kib()
     return {
         "graph_weight_file_mb": weight_bytes / 1e6,
         "graph_file_mb": (host.artifacts.graph_file.stat().st_size / 1e6) if host.artifacts.graph_file else 0.0,
@@ -91,12 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph", default="jit")
     parser.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    result = measure_load_memory(args.artifacts, args.graph)
-    for key, value in result.items():
-        print(f"{key:<32} {value:10.2f}")
-    if args.json_path is not None:
-        args.json_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    from server.bench import report
+
+    report(measure_load_memory(args.artifacts, args.graph), args.json_path)
     return 0
 
 

@@ -9,6 +9,7 @@ padded (every other chunk fills its bucket exactly).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 __all__ = ["buckets_of", "chunk_spans", "plan_chunks"]
@@ -62,9 +63,5 @@ def plan_chunks(count: int, buckets: Sequence[int]) -> list[int]:
 
 def chunk_spans(start: int, stop: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
     """[begin, end) spans covering positions start..stop-1, planned by `plan_chunks`."""
-    spans = []
-    begin = start
-    for length in plan_chunks(stop - start, buckets):
-        spans.append((begin, begin + length))
-        begin += length
-    return spans
+    bounds = list(itertools.accumulate(plan_chunks(stop - start, buckets), initial=start))
+    return list(itertools.pairwise(bounds))

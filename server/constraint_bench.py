@@ -12,8 +12,8 @@ Gemma tokenizer; tests/gemma4_tokenizer.py builds a Gemma-4-format one, which ad
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from server.bench import percentile, report
 from server.constraint_mask import TokenMask
 from server.constraints import Constraint, GrammarVocab, build_constraint
 from server.generation import SamplingParams
@@ -55,11 +56,6 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                                      "days": {"type": "integer"}},
     "required": ["city", "unit"]}}}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 SOFTCAP = 30.0  # Gemma's final-logit soft-cap: the sampler applies it to the allowed entries in the mask's pass
@@ -115,20 +111,16 @@ def measure_constraints(tokenizer: Any, *, vocab_size: int = 262_144, stop_ids: 
         build_constraint(vocab, **request)  # the first compile (later ones copy the cached grammar)
         results[f"constraint_compile_ms_{name}"] = (time.perf_counter() - start) * 1e3
         documents = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        fill_ms, total_ms, cpu_ms = _walk(lambda request=request: build_constraint(vocab, **request), documents, mask, logits,
-                                  repeats)
-        results[f"constraint_mask_ms_p50_{name}"] = _percentile(fill_ms, 50)
-        results[f"constraint_mask_ms_p99_{name}"] = _percentile(fill_ms, 99)
-        results[f"constraint_mask_apply_ms_p50_{name}"] = _percentile(total_ms, 50)
-        results[f"constraint_mask_apply_ms_p99_{name}"] = _percentile(total_ms, 99)
-        # CPU time of this thread: what the step costs when no other process takes the core away.
-        results[f"constraint_mask_apply_cpu_ms_p50_{name}"] = _percentile(cpu_ms, 50)
-        results[f"constraint_mask_apply_cpu_ms_p99_{name}"] = _percentile(cpu_ms, 99)
-        plain, constrained = _sampler_walk(lambda request=request: build_constraint(vocab, **request), documents,
-                                           logits, vocab_size, repeats)
-        results["sampler_ms_p50_plain_greedy"] = _percentile(plain, 50)
-        results[f"sampler_ms_p50_constrained_greedy_{name}"] = _percentile(constrained, 50)
-        results[f"sampler_ms_p99_constrained_greedy_{name}"] = _percentile(constrained, 99)
+        build = functools.partial(build_constraint, vocab, **request)
+        fill_ms, total_ms, cpu_ms = _walk(build, documents, mask, logits, repeats)
+        # apply_cpu: CPU time of this thread, what the step costs when no other process takes the core away.
+        for label, times in (("mask", fill_ms), ("mask_apply", total_ms), ("mask_apply_cpu", cpu_ms)):
+            for q in (50, 99):
+                results[f"constraint_{label}_ms_p{q}_{name}"] = percentile(times, q)
+        plain, constrained = _sampler_walk(build, documents, logits, vocab_size, repeats)
+        results["sampler_ms_p50_plain_greedy"] = percentile(plain, 50)
+        results[f"sampler_ms_p50_constrained_greedy_{name}"] = percentile(constrained, 50)
+        results[f"sampler_ms_p99_constrained_greedy_{name}"] = percentile(constrained, 99)
     return results
 
 
@@ -169,11 +161,7 @@ def main(argv: list[str]) -> int:
         eos = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
         stops = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else None
     torch.set_num_threads(1)  # as the server's sampler runs
-    results = measure_constraints(tokenizer, stop_ids=stops)
-    width = max(len(key) for key in results)
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value:.4g}")
-    print(json.dumps({key: round(value, 4) for key, value in results.items()}))
+    report(measure_constraints(tokenizer, stop_ids=stops))
     return 0
 
 

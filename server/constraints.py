@@ -42,16 +42,12 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from server.protocol.base import ProtocolError
 from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
 
 
-class ConstraintError(ValueError):
+class ConstraintError(ProtocolError):
     """The request's schema, tools or tool_choice cannot be enforced: the API answers 400 naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -155,9 +151,8 @@ class Constraint:
 
 
 class GrammarConstraint(Constraint):
-    def __init__(self, matcher: llguidance.LLMatcher, description: str) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
-        self.description = description
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
         assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
@@ -170,18 +165,13 @@ class GrammarConstraint(Constraint):
     def is_finished(self) -> bool:
         return bool(self._matcher.is_stopped())
 
-    @property
-    def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
-
 
 class BannedTokens(Constraint):
     """A fixed set of ids that may never be sampled (tool_choice "none": the call-opening token)."""
 
     def __init__(self, banned: Iterable[int], mask_words: int) -> None:
         self.banned = tuple(sorted(set(banned)))
-        self._mask = np.full(mask_words, -1, dtype=np.int32)
-        _clear_bits(self._mask, self.banned)
+        self._mask = _bitmask(self.banned, mask_words, allowed=False)
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
         bitmask[:] = self._mask
@@ -197,8 +187,7 @@ class StopAfterCall(Constraint):
         self._close = call_close
         self._closed = False
         self._all = np.full(mask_words, -1, dtype=np.int32)
-        self._stops = np.zeros(mask_words, dtype=np.int32)
-        _set_bits(self._stops, stop_ids)
+        self._stops = _bitmask(stop_ids, mask_words, allowed=True)
         self._stop_ids = frozenset(stop_ids)
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
@@ -215,15 +204,11 @@ class StopAfterCall(Constraint):
         return self._closed
 
 
-def _clear_bits(mask: np.ndarray, ids: Iterable[int]) -> None:
-    for token_id in ids:
-        mask[token_id >> 5] &= np.int32(~(1 << (token_id & 31)) if (token_id & 31) != 31 else 0x7FFFFFFF)
-
-
-def _set_bits(mask: np.ndarray, ids: Iterable[int]) -> None:
-    for token_id in ids:
-        bit = token_id & 31
-        mask[token_id >> 5] |= np.int32(1 << bit) if bit != 31 else np.int32(-(1 << 31))
+def _bitmask(ids: Iterable[int], mask_words: int, *, allowed: bool) -> np.ndarray:
+    """A bitmask (the layout of `Constraint.fill_mask`) allowing exactly `ids`, or everything but `ids`."""
+    bits = np.full(mask_words * 32, not allowed, dtype=np.uint8)
+    bits[list(ids)] = allowed
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def allowed_ids(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -255,7 +240,7 @@ def build_constraint(vocab: GrammarVocab, *, response_format: Mapping[str, Any] 
     if fmt != "text":
         schema = _response_schema(response_format or {}, vocab.limits)
         grammar = _with_thought(vocab, f"%json {json.dumps(schema)}", thought)
-        return GrammarConstraint(vocab.matcher(grammar), fmt)
+        return GrammarConstraint(vocab.matcher(grammar))
     if not tools or choice == "auto" and parallel_tool_calls:
         return None
     if not native_tools:
@@ -266,7 +251,7 @@ def build_constraint(vocab: GrammarVocab, *, response_format: Mapping[str, Any] 
         return StopAfterCall(vocab.markers[CALL_CLOSE], vocab.stop_ids, vocab.mask_words)
     names = [tool_choice["function"]["name"]] if choice == "named" else None  # type: ignore[index]
     grammar = tool_call_grammar(vocab, tools, names, parallel=parallel_tool_calls, thought=thought)
-    return GrammarConstraint(vocab.matcher(grammar), f"tool_choice={choice}")
+    return GrammarConstraint(vocab.matcher(grammar))
 
 
 def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None) -> str:
@@ -369,6 +354,7 @@ _INTEGER = r"/-?(0|[1-9][0-9]{0,17})/"
 # Exponents of two digits at most: every number the grammar allows is a finite float (no "Infinity" in JSON).
 _NUMBER = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,2})?/"
 _KEY = re.compile(r"[^\s:{}\[\],<>\"|]+")
+_SCALARS = {"integer": _INTEGER, "number": _NUMBER, "boolean": '"true" | "false"', "null": '"null"'}  # Lark bodies
 
 
 class GemmaGrammar:
@@ -433,16 +419,10 @@ class GemmaGrammar:
         return alternatives[0] if len(alternatives) == 1 else self._rule(" | ".join(alternatives))
 
     def _typed(self, kind: str, schema: Mapping[str, Any], where: str, depth: int) -> str:
+        if kind in _SCALARS:
+            return self._rule(_SCALARS[kind])
         if kind == "string":
             return self._string(schema, where)
-        if kind == "integer":
-            return self._rule(_INTEGER)
-        if kind == "number":
-            return self._rule(_NUMBER)
-        if kind == "boolean":
-            return self._rule('"true" | "false"')
-        if kind == "null":
-            return self._rule('"null"')
         if kind == "array":
             return self._array(schema, where, depth)
         return self._object(schema, where, depth)
@@ -583,7 +563,6 @@ class VocabLoader:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.build_s: float | None = None
 
     def start(self) -> None:
         with self._lock:
@@ -592,25 +571,15 @@ class VocabLoader:
                 self._thread.start()
 
     def _run(self) -> None:
-        start = time.perf_counter()
         try:
             self._vocab = self._build()
         except Exception as exc:  # noqa: BLE001 - reported to every constrained request, the server keeps serving
             self._error = f"{type(exc).__name__}: {exc}"
-        self.build_s = time.perf_counter() - start
         self._done.set()
 
     @property
     def started(self) -> bool:
         return self._thread is not None
-
-    @property
-    def ready(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def error(self) -> str | None:
-        return self._error
 
     def wait(self, timeout: float) -> GrammarVocab | None:
         """The vocabulary, or None when it is still building after `timeout`; raises RuntimeError if it failed."""

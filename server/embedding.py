@@ -10,14 +10,9 @@ it in the page cache, so only the rows a prompt touches are ever read.
 
 from __future__ import annotations
 
-import json
-import mmap
-import struct
 from pathlib import Path
 
 import torch
-
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def open_table(path: Path | str) -> torch.Tensor:
@@ -36,29 +31,15 @@ def open_table(path: Path | str) -> torch.Tensor:
 
 
 def _open_safetensors(path: Path) -> torch.Tensor:
-    """A zero-copy view of the single tensor in a safetensors file (safetensors' own get_tensor copies it)."""
-    with path.open("rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    name = "weight" if "weight" in entries else next(iter(entries)) if len(entries) == 1 else None
-    if name is None:
-        raise ValueError(f"expected one tensor (or one named 'weight'), found {sorted(entries)[:5]}")
-    entry = entries[name]
-    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise ValueError(f"unsupported dtype {entry['dtype']}")
-    start, end = entry["data_offsets"]
-    shape = tuple(entry["shape"])
-    count = (end - start) // torch.empty((), dtype=dtype).element_size()
-    # The mmap is read-only; torch warns that the tensor is not writable, which is what we want.
-    import warnings
+    """A zero-copy view of the single tensor (or the one named 'weight') in a safetensors file, through the same
+    memory map as a graph's weight files (safetensors' own get_tensor copies it)."""
+    from server.weights import open_rank_weights
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + header_len + start)
-    return flat.view(shape)
+    tensors = open_rank_weights(path)
+    name = "weight" if "weight" in tensors else next(iter(tensors)) if len(tensors) == 1 else None
+    if name is None:
+        raise ValueError(f"expected one tensor (or one named 'weight'), found {sorted(tensors)[:5]}")
+    return tensors[name]
 
 
 class HostEmbedding:
@@ -80,14 +61,6 @@ class HostEmbedding:
     @classmethod
     def open(cls, path: Path | str, scale: float, dtype: torch.dtype | None = None) -> HostEmbedding:
         return cls(open_table(path), scale, dtype)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.table.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.table.shape[1]
 
     def lookup(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """ids [T] or [1, T] -> [1, T, H] in the compute dtype."""

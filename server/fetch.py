@@ -43,7 +43,6 @@ EXIT_INVALID = 5
 # Left free on top of the download: a disk filled to the last byte breaks the server's logs and the
 # Neuron runtime's scratch files long after the download itself succeeded.
 HEADROOM_BYTES = 256 * 1024 * 1024
-HASH_BLOCK = 8 * 1024 * 1024  # hashing streams the file: a 25 GB graph never sits in a 16 GB host's RAM
 # Our own bookkeeping beside huggingface_hub's `.cache/huggingface/` in the destination.
 STATE_DIR = Path(".cache") / "gemma4-optb"
 HF_STATE_DIR = Path(".cache") / "huggingface"
@@ -182,17 +181,13 @@ def check_disk_space(dest: Path, files: Iterable[RemoteFile], free_bytes: FreeBy
     A local file of the right size counts as done (its content is verified after the download). A local file
     of another size is deleted by huggingface_hub before it downloads the new one, so only the growth counts.
     """
-    needed = 0
-    pending = 0
+    growth = []  # bytes still to come, one entry per file to download
     for remote in files:
-        if remote.size is None:
-            continue
         local = dest / remote.path
-        have = local.stat().st_size if local.is_file() else 0
-        if local.is_file() and have == remote.size:
-            continue
-        pending += 1
-        needed += max(0, remote.size - have)
+        have = local.stat().st_size if local.is_file() else None
+        if remote.size is not None and have != remote.size:
+            growth.append(max(0, remote.size - (have or 0)))
+    pending, needed = len(growth), sum(growth)
     if pending == 0:
         return 0
     free = (free_bytes or _disk_free)(dest)
@@ -213,11 +208,9 @@ def _download(repo: str, dest: Path, *, commit: str | None, token: str | None, e
     try:
         snapshot_download(repo, revision=commit, local_dir=dest, allow_patterns=list(ALLOW_PATTERNS), token=token,
                           endpoint=endpoint)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:  # something else filled the disk while we downloaded
-            raise FetchError(EXIT_DISK, f"the disk holding {dest} filled up during the download: {exc}") from None
-        raise FetchError(EXIT_HUB, f"download of {repo} failed: {_reason(exc)}. Run again to continue.") from None
     except Exception as exc:  # noqa: BLE001 - network and Hub errors of any kind: a message, not a traceback
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # something else filled the disk meanwhile
+            raise FetchError(EXIT_DISK, f"the disk holding {dest} filled up during the download: {exc}") from None
         raise FetchError(EXIT_HUB, f"download of {repo} failed: {_reason(exc)}. Run again to continue.") from None
 
 
@@ -252,7 +245,7 @@ def verify(dest: Path, files: Iterable[RemoteFile]) -> list[str]:
         # Only big files are worth a line: hashing 25 GB takes minutes, and the user should know why it is quiet.
         log.log(logging.INFO if stat.st_size >= 64 << 20 else logging.DEBUG, "fetch: verifying %s (%s, %s)",
                 remote.path, _human(stat.st_size), algorithm)
-        actual = _sha256(local) if algorithm == "sha256" else _git_blob_sha1(local)
+        actual = _digest(local, algorithm)
         if actual != expected:
             problems.append(f"{remote.path}: {algorithm} {actual}, the Hub says {expected}")
             _discard(dest, remote.path, record)
@@ -282,10 +275,7 @@ def _remove_orphans(dest: Path) -> int:
     lock, so no live fetch owns one.
     """
     freed = 0
-    root = dest / HF_STATE_DIR / "download"
-    if not root.is_dir():
-        return 0
-    for orphan in root.rglob("*.incomplete"):
+    for orphan in (dest / HF_STATE_DIR / "download").rglob("*.incomplete"):  # none when the directory is missing
         try:
             size = orphan.stat().st_size
             orphan.unlink()
@@ -295,21 +285,14 @@ def _remove_orphans(dest: Path) -> int:
     return freed
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def _digest(path: Path, algorithm: str) -> str:
+    """The content's sha256, or its git object id ("git-sha1": what the Hub reports as `blobId` for files not in LFS).
+    hashlib streams the file: a 25 GB graph never sits in a 16 GB host's RAM."""
     with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _git_blob_sha1(path: Path) -> str:
-    """The git object id of a file's content: what the Hub reports as `blobId` for files not in LFS."""
-    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's id, not security
-    with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+        if algorithm == "sha256":
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+        header = f"blob {path.stat().st_size}\0".encode()
+        return hashlib.file_digest(handle, lambda: hashlib.sha1(header)).hexdigest()  # noqa: S324 - git's id
 
 
 def _disk_free(dest: Path) -> int:

@@ -6,7 +6,6 @@ loads on its own thread so HTTP can answer `/health` with `loading` meanwhile, l
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,6 @@ from server.graphs.base import DTYPES, Graph
 from server.process import freeze_heap, single_threaded_torch
 from server.structure import ModelStructure
 from server.tokenizer import HostTokenizer
-
-log = logging.getLogger(__name__)
 
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (

@@ -129,13 +129,6 @@ def argmax(x: torch.Tensor, block: int = _ARGMAX_BLOCK) -> int:
     return b * block + int(blocks[b].argmax())
 
 
-def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """cap * tanh(x / cap) (Gemma's final-logit soft-cap) on a few values; a new tensor either way."""
-    if softcap is None:
-        return x.clone()
-    return x.div(softcap).tanh_().mul_(softcap)
-
-
 def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float, out: torch.Tensor) -> float:
     """sum(exp(cap(x) * inv_t - shift)) over the whole row, leaving the terms in `out` (no allocation).
 
@@ -166,7 +159,8 @@ def _float_scale(values: list[float], softcap: float | None, inv_t: float) -> li
 
 
 def _tensor_scale(values: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
-    scaled = _cap(values, softcap)  # a new tensor
+    """cap * tanh(x / cap) (Gemma's final-logit soft-cap), then times inv_t, on a few values; a new tensor either way."""
+    scaled = values.clone() if softcap is None else values.div(softcap).tanh_().mul_(softcap)
     return scaled if inv_t == 1.0 else scaled.mul_(inv_t)
 
 
@@ -291,9 +285,9 @@ def raw_logprobs(
         log_total = math.log(float(buf.exp_().sum()))
     else:
         top = x[max_id].view(1) if max_id is not None else x.amax().view(1)  # (1,)
-        peak = float(_cap(top, softcap))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
+        peak = float(_tensor_scale(top, softcap, 1.0))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
         log_total = peak + math.log(_sum_exp(x, softcap, 1.0, peak, buf))
-    return _cap(x.index_select(0, ids), softcap).sub_(log_total)  # (n,)
+    return _tensor_scale(x.index_select(0, ids), softcap, 1.0).sub_(log_total)  # (n,)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ DTYPES = {
 
 
 def open_rank_weights(path: Path | str) -> dict[str, torch.Tensor]:
-    """{name: tensor} for one safetensors file, each a view of one private memory map of it."""
+    """{name: tensor} for one safetensors file (also an embedding table's), each a view of one private memory map."""
     path = Path(path)
     with path.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))

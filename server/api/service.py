@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -32,8 +31,6 @@ from server.generation import (
 )
 
 log = logging.getLogger("server.api")
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: the token *is* one raw byte
 
 
 class ClientGone(Exception):

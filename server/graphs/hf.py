@@ -8,7 +8,6 @@ For the same reason it can rewind its cache only while no sliding layer has wrap
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,9 +15,6 @@ import torch
 
 from server.artifacts import GraphSpec
 from server.graphs.base import DTYPES
-
-log = logging.getLogger(__name__)
-
 
 
 class HFGraph:

@@ -73,91 +73,87 @@ class ContractInputs:
         return onehot[None, None], full[None, None], sliding[None, None]
 
 
-class JitGraph:
-    name = "jit"
-
-    def __init__(
-        self,
-        path: Path | str,
-        spec: GraphSpec,
-        *,
-        vocab_size: int,
-        sliding_window: int | None,
-        final_softcap: float | None,
-        start_rank: int = 0,
-    ) -> None:
-        self.module = load_compiled(path, "contract v1")
-        if hasattr(self.module, "nxd_model"):
-            # Pushes the saved sharded weights to the NeuronCores; once, before the first call.
-            self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
-        self.max_total = spec.max_total
-        self.prefill_bucket = spec.prefill_bucket
-        self.input_dtype = DTYPES[spec.input_dtype]
-        self.vocab_size = vocab_size
-        self.host_softcap = None if spec.softcap_in_graph else final_softcap
-        self.inputs = ContractInputs(spec.max_total, sliding_window, self.input_dtype)
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
-        assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
-        if t not in (1, self.prefill_bucket):
-            pad = self.prefill_bucket - t
-            embeds = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], dim=1)  # [1, BUCKET, H]
-            tail = positions[0, -1] + 1 + torch.arange(pad)  # continue past the last real position
-            positions = torch.cat([positions, tail[None]], dim=1)  # [1, BUCKET]
-        onehot, full, sliding = self.inputs.build(positions)
-        embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
-        if on_submit is not None:
-            on_submit()
-        out = self.module(embeds, positions, onehot, full, sliding)
-        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]: Neuron returns it alone, CPU first
-        if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
-            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
-        return logits if logits.dtype == torch.float32 else logits.float()
-
-    def rewind(self, position: int) -> int:
-        # One-hot writes address slots by absolute position: stale slots are simply overwritten.
-        return position
-
-
-class JitGraphV2:
-    """Contract v2 (ARCHITECTURE.md "Contract v2"): `model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T])`.
-
-    The graph builds its masks and KV write slots from the positions and keeps sliding layers in a ring of
-    `sliding_slots` slots, so the host ships no [T, MAX] tensors. T is one of the graph's prefill buckets or 1: a
-    shorter chunk is padded to the smallest bucket that holds it, pad positions continuing past the last real one
-    (the ring is sized so their writes never reach a slot a real query can see).
-    """
+class _CompiledGraph:
+    """What both contracts share: the loaded module, the facts the engine reads, and a call that pads a short chunk
+    to the smallest bucket that holds it (pad positions continuing past the last real one) and reads back the logits.
+    A contract adds its own inputs after embeds and positions (`_contract_inputs`)."""
 
     name = "jit"
 
-    def __init__(
-        self,
-        path: Path | str,
-        spec: GraphSpec,
-        *,
-        vocab_size: int,
-        final_softcap: float | None,
-        start_rank: int = 0,
-    ) -> None:
-        self.module = load_compiled(path, "contract v2")
-        root = Path(path).parent
-        if spec.weight_files:
-            self._load_separate_weights([root / f for f in spec.weight_files], start_rank)
-        elif hasattr(self.module, "nxd_model"):
-            self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
+    def __init__(self, path: Path | str, spec: GraphSpec, contract: str, *, vocab_size: int,
+                 final_softcap: float | None) -> None:
+        self.module = load_compiled(path, contract)
         self.max_total = spec.max_total
         self.prefill_buckets = spec.buckets
         self.prefill_bucket = max(spec.buckets)
         self.input_dtype = DTYPES[spec.input_dtype]
         self.vocab_size = vocab_size
         self.host_softcap = None if spec.softcap_in_graph else final_softcap
-        self.window, self.ring = spec.sliding_window, spec.sliding_slots
         # chunk length -> the bucket it runs at (the smallest that holds it); 1 is the decode graph
-        self._bucket_for = {t: next(b for b in self.prefill_buckets if b >= t) for t in range(2, self.prefill_bucket + 1)}
+        self._bucket_for = {t: next(b for b in spec.buckets if b >= t) for t in range(2, self.prefill_bucket + 1)}
         self._bucket_for[1] = 1
-        self._pads = {b: torch.arange(b) for b in self.prefill_buckets}  # [B] offsets for pad positions
+
+    def _initialize_saved_weights(self, start_rank: int) -> None:
+        if hasattr(self.module, "nxd_model"):
+            # Pushes the saved sharded weights to the NeuronCores; once, before the first call.
+            self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
+
+    def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
+        bucket = self._bucket_for[t]  # KeyError: a chunk longer than the largest bucket (the engine plans them)
+        if bucket != t:
+            pad = bucket - t
+            embeds = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], dim=1)  # [1, B, H]
+            tail = positions[0, -1] + 1 + torch.arange(pad)  # continue past the last real position
+            positions = torch.cat([positions, tail[None]], dim=1)  # [1, B]
+        inputs = self._contract_inputs(positions)
+        embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
+        if on_submit is not None:
+            on_submit()
+        out = self.module(embeds, positions, *inputs)
+        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]: Neuron returns it alone, CPU first
+        if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
+            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+
+class JitGraph(_CompiledGraph):
+    """Contract v1 (the module docs): one prefill bucket; the host builds the write slots and masks."""
+
+    def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, sliding_window: int | None,
+                 final_softcap: float | None, start_rank: int = 0) -> None:
+        super().__init__(path, spec, "contract v1", vocab_size=vocab_size, final_softcap=final_softcap)
+        self._initialize_saved_weights(start_rank)
+        self.inputs = ContractInputs(spec.max_total, sliding_window, self.input_dtype)
+
+    def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.inputs.build(positions)  # onehot, full_mask, sliding_mask
+
+    def rewind(self, position: int) -> int:
+        # One-hot writes address slots by absolute position: stale slots are simply overwritten.
+        return position
+
+
+class JitGraphV2(_CompiledGraph):
+    """Contract v2 (ARCHITECTURE.md "Contract v2"): `model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T])`.
+
+    The graph builds its masks and KV write slots from the positions and keeps sliding layers in a ring of
+    `sliding_slots` slots, so the host ships no [T, MAX] tensors. T is one of the graph's prefill buckets or 1 (the
+    ring is sized so the writes of pad positions never reach a slot a real query can see).
+    """
+
+    def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, final_softcap: float | None,
+                 start_rank: int = 0) -> None:
+        super().__init__(path, spec, "contract v2", vocab_size=vocab_size, final_softcap=final_softcap)
+        if spec.weight_files:
+            self._load_separate_weights([Path(path).parent / f for f in spec.weight_files], start_rank)
+        else:
+            self._initialize_saved_weights(start_rank)
+        self.window, self.ring = spec.sliding_window, spec.sliding_slots
         self._written = -1  # highest position written (pads included) since the cache was last filled from 0
 
     def _load_separate_weights(self, files: list[Path], start_rank: int) -> None:
@@ -173,26 +169,10 @@ class JitGraphV2:
             attached = attach_weights(self.module, weights[0], prefix="core.")
             log.info("attached %.1f MB of memory-mapped weights", attached / 1e6)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
-        bucket = self._bucket_for[t]  # KeyError: a chunk longer than the largest bucket (the engine plans them)
-        end = int(positions[0, -1])
-        if bucket != t:
-            pad = bucket - t
-            embeds = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], dim=1)  # [1, B, H]
-            tail = end + 1 + self._pads[bucket][:pad]  # continue past the last real position
-            positions = torch.cat([positions, tail[None]], dim=1)  # [1, B]
-            end += pad
-        embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
-        self._written = max(self._written, end)  # before the call: a failed call may have written some layers
-        if on_submit is not None:
-            on_submit()
-        out = self.module(embeds, positions)
-        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]
-        if logits.shape[1] != 1:
-            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
-        return logits if logits.dtype == torch.float32 else logits.float()
+    def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Recorded before the call: a failed call may have written some layers.
+        self._written = max(self._written, int(positions[0, -1]))
+        return ()
 
     def rewind(self, position: int) -> int:
         """The cache is valid before `position` unless a later write wrapped a sliding ring over what a query at

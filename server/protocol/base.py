@@ -139,10 +139,7 @@ def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effo
     if explicit is not None and from_effort is not None and explicit != from_effort:
         raise ProtocolError(f"reasoning_effort={reasoning_effort!r} contradicts chat_template_kwargs.enable_thinking="
                             f"{str(explicit).lower()}", "reasoning_effort")
-    for value in (explicit, from_effort):
-        if value is not None:
-            return value
-    return default
+    return next((value for value in (explicit, from_effort) if value is not None), default)
 
 
 def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

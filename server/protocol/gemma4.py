@@ -68,6 +68,8 @@ _NAME = re.compile(r"\s*(?:call:)?\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
 _BARE_CALL = re.compile(r"call:([A-Za-z_][\w.\-]*)\{")
 _BARE_START = re.compile(r"(?<![\w.\-])call:")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_BARE_KEY = re.compile(r"[^\s:{}\[\],<>]+")
+_BARE_VALUE = re.compile(r"[^,}\]<]+")
 _MAX_CALL_CHARS = 1 << 20  # a "call" longer than this is not one: release it as content
 
 
@@ -176,47 +178,43 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
+def _items(text: str, i: int, close: str, item: Callable[[str, int], tuple[Any, int]]) -> tuple[list[Any], int]:
+    """The comma-separated items of the object or array opening at `i`, each read by `item`; and the index past it."""
+    items: list[Any] = []
+    i = _skip(text, i + 1)
+    if text.startswith(close, i):
+        return items, i + 1
+    while True:
+        value, i = item(text, i)
+        items.append(value)
+        i = _skip(text, i)
+        if text.startswith(close, i):
+            return items, i + 1
+        if not text.startswith(",", i):
+            raise _Syntax(f"expected ',' or '{close}' at {i}")
+        i = _skip(text, i + 1)
+
+
 def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
     if not text.startswith("{", i):
         raise _Syntax(f"expected '{{' at {i}")
-    result: dict[str, Any] = {}
-    i = _skip(text, i + 1)
-    if text.startswith("}", i):
-        return result, i + 1
-    while True:
-        if text.startswith(QUOTE, i):
-            key, i = _string(text, i)
-        else:
-            match = re.compile(r"[^\s:{}\[\],<>]+").match(text, i)
-            if match is None:
-                raise _Syntax(f"expected a key at {i}")
-            key, i = match.group(), match.end()
-        i = _skip(text, i)
-        if not text.startswith(":", i):
-            raise _Syntax(f"expected ':' at {i}")
-        result[key], i = _value(text, _skip(text, i + 1))
-        i = _skip(text, i)
-        if text.startswith("}", i):
-            return result, i + 1
-        if not text.startswith(",", i):
-            raise _Syntax(f"expected ',' or '}}' at {i}")
-        i = _skip(text, i + 1)
+    members, end = _items(text, i, "}", _member)
+    return dict(members), end
 
 
-def _array(text: str, i: int) -> tuple[list[Any], int]:
-    items: list[Any] = []
-    i = _skip(text, i + 1)
-    if text.startswith("]", i):
-        return items, i + 1
-    while True:
-        item, i = _value(text, i)
-        items.append(item)
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return items, i + 1
-        if not text.startswith(",", i):
-            raise _Syntax(f"expected ',' or ']' at {i}")
-        i = _skip(text, i + 1)
+def _member(text: str, i: int) -> tuple[tuple[str, Any], int]:
+    if text.startswith(QUOTE, i):
+        key, i = _string(text, i)
+    else:
+        match = _BARE_KEY.match(text, i)
+        if match is None:
+            raise _Syntax(f"expected a key at {i}")
+        key, i = match.group(), match.end()
+    i = _skip(text, i)
+    if not text.startswith(":", i):
+        raise _Syntax(f"expected ':' at {i}")
+    value, i = _value(text, _skip(text, i + 1))
+    return (key, value), i
 
 
 def _string(text: str, i: int) -> tuple[str, int]:
@@ -232,8 +230,8 @@ def _value(text: str, i: int) -> tuple[Any, int]:
     if text.startswith("{", i):
         return _object(text, i)
     if text.startswith("[", i):
-        return _array(text, i)
-    match = re.compile(r"[^,}\]<]+").match(text, i)
+        return _items(text, i, "]", _value)
+    match = _BARE_VALUE.match(text, i)
     if match is None:
         raise _Syntax(f"expected a value at {i}")
     bare = match.group().strip()
@@ -253,9 +251,7 @@ def format_value(value: Any) -> str:
     """A JSON value in Gemma's syntax (what the chat template writes; the inverse of the parser)."""
     if isinstance(value, str):
         return f"{QUOTE}{value}{QUOTE}"
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (bool, int, float)) or value is None:
         return json.dumps(value)
     if isinstance(value, Mapping):
         return "{" + ",".join(f"{key}:{format_value(item)}" for key, item in sorted(value.items())) + "}"
@@ -339,7 +335,10 @@ class Gemma4Parser(OutputParser):
             self._emit_text(self._buf)
             self._buf = ""
 
-    def _next_event(self, patterns: Sequence[str], bare: bool) -> tuple[int, str] | None:
+    def _to_marker(self, patterns: Sequence[str], bare: bool, final: bool) -> str | None:
+        """Emit the text before the first of `patterns` (or of a bare `call:`) and return that marker, the buffer now
+        starting with it. With none in the buffer: emit it, except a tail that may still become one (all of it when
+        final), and return None."""
         best: tuple[int, str] | None = None
         for pattern in patterns:
             at = self._buf.find(pattern)
@@ -349,49 +348,37 @@ class Gemma4Parser(OutputParser):
             match = _BARE_START.search(self._buf)
             if match and (best is None or match.start() < best[0]):
                 best = (match.start(), "call:")
-        return best
+        at, marker = best or (len(self._buf) if final else self._held_from(self._buf), None)
+        self._emit_text(self._buf[:at])
+        self._buf = self._buf[at:]
+        return marker
 
     def _drain_content(self, final: bool) -> None:
         patterns = [CHANNEL_OPEN, CHANNEL_CLOSE] + ([CALL_OPEN, CALL_CLOSE] if self._tools else [])
-        event = self._next_event(patterns, bare=self._tools)
-        if event is None:
-            self._emit_unheld(final)
-            return
-        at, marker = event
-        self._emit_text(self._buf[:at])
-        rest = self._buf[at:]
+        marker = self._to_marker(patterns, bare=self._tools, final=final)
         if marker == CHANNEL_OPEN:
-            self._mode, self._buf = "header", rest[len(marker):]
+            self._mode, self._buf = "header", self._buf[len(marker):]
         elif marker == CALL_OPEN:
-            self._mode, self._buf = "call", rest[len(marker):]
+            self._mode, self._buf = "call", self._buf[len(marker):]
         elif marker in (CHANNEL_CLOSE, CALL_CLOSE):  # a closer with nothing open: the marker alone is dropped
-            self._buf = rest[len(marker):]
-        else:
-            self._bare_call(rest, final)
+            self._buf = self._buf[len(marker):]
+        elif marker is not None:
+            self._bare_call(self._buf, final)
 
     def _bare_call(self, rest: str, final: bool) -> None:
-        """`rest` starts with `call:` in content: a call whose `<|tool_call>` is missing, or just text."""
-        self._buf = rest
+        """`rest` (the buffer) starts with `call:` in content: a call whose `<|tool_call>` is missing, or just text."""
         match = _BARE_CALL.match(rest)
-        if match is None:
-            if final or len(rest) > 5 + 128 or not _could_start_bare_call(rest):
+        end = None if match is None else _closing_brace(rest, match.end() - 1)
+        if end is None:  # not (yet) a whole `call:NAME{...}`: held while it may still become one
+            growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _could_start_bare_call(rest)
+            if final or not growing:
                 self._emit_text("call:")
                 self._buf = rest[len("call:"):]
             return
-        end = _closing_brace(rest, match.end() - 1)
-        if end is None:
-            if final or len(rest) > _MAX_CALL_CHARS:
-                self._emit_text("call:")
-                self._buf = rest[len("call:"):]
-            return
-        after = rest[end:]
-        tail = after.lstrip()
-        if tail.startswith(CALL_CLOSE):
-            closed = True
-        elif not final and CALL_CLOSE.startswith(tail):
+        tail = rest[end:].lstrip()
+        closed = tail.startswith(CALL_CLOSE)
+        if not closed and not final and CALL_CLOSE.startswith(tail):
             return  # wait: the closing token may come next
-        else:
-            closed = False
         ends_answer = not tail or tail.startswith(CALL_OPEN) or _BARE_START.match(tail) is not None
         parsed = parse_call(rest[:end], self._tool_names)
         declared = parsed is not None and parsed[0] in self._tool_names
@@ -413,21 +400,11 @@ class Gemma4Parser(OutputParser):
         elif len(self._buf) > 64 or final:
             self._mode = "reasoning"
 
-    def _emit_unheld(self, final: bool) -> None:
-        """No marker in the buffer: emit it, except a tail that may still become one (all of it when final)."""
-        cut = len(self._buf) if final else self._held_from(self._buf)
-        self._emit_text(self._buf[:cut])
-        self._buf = self._buf[cut:]
-
     def _drain_reasoning(self, final: bool) -> None:
-        event = self._next_event([CHANNEL_CLOSE] + ([CALL_OPEN] if self._tools else []), bare=False)
-        if event is None:
-            self._emit_unheld(final)
-            return
-        at, marker = event
-        self._emit_text(self._buf[:at])
-        self._mode = "content" if marker == CHANNEL_CLOSE else "call"
-        self._buf = self._buf[at + len(marker):]
+        marker = self._to_marker([CHANNEL_CLOSE] + ([CALL_OPEN] if self._tools else []), bare=False, final=final)
+        if marker is not None:
+            self._mode = "content" if marker == CHANNEL_CLOSE else "call"
+            self._buf = self._buf[len(marker):]
 
     def _drain_call(self, final: bool) -> None:
         close, reopen = self._buf.find(CALL_CLOSE), self._buf.find(CALL_OPEN)
