@@ -205,4 +205,5 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
     )
     app.state.drain = service.drain
     app.state.service, app.state.prompts = service, prompts
+    app.state.response_store = responses.store
     return app
