@@ -200,18 +200,27 @@ def test_reasoning_item_streamed_and_not(client: OpenAI, script: Callable[[str],
     assert [e.output_index for e in added] == [0, 1] and added[1].item.id == final.output[1].id
 
 
-def test_streamed_text_equals_the_non_streamed_on_the_random_model(client: OpenAI) -> None:
-    """Greedy on the random model: the same tokens, streamed or not; a cut by max_output_tokens is incomplete."""
-    common: dict[str, Any] = {"model": MODEL, "input": "Tell me a story.", "temperature": 0, "max_output_tokens": 12}
+def test_streamed_equals_non_streamed_on_the_random_model_greedy(client: OpenAI) -> None:
+    common: dict[str, Any] = {"model": MODEL, "input": "Tell me a story.", "temperature": 0, "max_output_tokens": 24}
     r = client.responses.create(**common)
-    assert r.status == "incomplete" and r.incomplete_details is not None
-    assert r.incomplete_details.reason == "max_output_tokens" and r.usage is not None and r.usage.output_tokens == 12
     events = list(client.responses.create(**common, stream=True))
-    assert events[-1].type == "response.incomplete"
     streamed = events[-1].response
-    assert streamed.status == "incomplete" and streamed.output_text == r.output_text
+    assert events[-1].type == f"response.{r.status}" and streamed.status == r.status
+    assert streamed.output_text == r.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
-    assert streamed.output[-1].status == "incomplete"
+    assert [item.type for item in streamed.output] == [item.type for item in r.output]
+    assert streamed.usage == r.usage or streamed.usage.output_tokens == r.usage.output_tokens  # type: ignore[union-attr]
+
+
+def test_a_cut_by_max_output_tokens_is_incomplete(client: OpenAI, script: Callable[[str], None]) -> None:
+    script("One two three four five six seven.<turn|>")
+    r = client.responses.create(model=MODEL, input="Count.", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens" and r.usage is not None and r.usage.output_tokens == 3
+    assert r.output[-1].status == "incomplete"
+    events = list(client.responses.create(model=MODEL, input="Count.", max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == r.output_text and events[-1].response.output[-1].status == "incomplete"
 
 
 def test_the_stream_helper_and_its_final_response(client: OpenAI, script: Callable[[str], None]) -> None:
@@ -396,21 +405,24 @@ def test_store_evicts_the_oldest_by_count(null_live: LiveServer) -> None:
 
 
 def test_store_evicts_the_oldest_by_bytes() -> None:
-    config = settings(responses_store_bytes=12_000)
-    with live_server(config) as live:
+    """metadata is echoed in the stored response: bytes without tokens (the demo's context is 512 tokens)."""
+    with live_server(settings(responses_store_bytes=8000)) as live:
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
         store = live.app.state.response_store
         made = []
         for i in range(4):
-            made.append(client.responses.create(model="gemma-test", input=f"{i} " + "x" * 3000, max_output_tokens=2))
-            assert store.bytes <= 12_000
+            metadata = {f"k{j}": str(i) * 500 for j in range(4)}  # ~2 KB
+            made.append(client.responses.create(model="gemma-test", input="Hi", metadata=metadata,
+                                                max_output_tokens=2))
+            assert store.bytes <= 8000
         kept = [r.id for r in made if r.id in store]
         assert made[0].id not in kept and made[-1].id in kept and len(kept) >= 2
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(made[0].id)
         # One larger than the whole budget is answered, not kept, and evicts nothing.
-        big = client.responses.create(model="gemma-test", input="x" * 13_000, max_output_tokens=2)
-        assert big.id not in store and [r.id for r in made if r.id in store] == kept
+        big = client.responses.create(model="gemma-test", input="Hi", max_output_tokens=2,
+                                      metadata={f"k{j}": "x" * 512 for j in range(16)})
+        assert big.status == "completed" and big.id not in store and [r.id for r in made if r.id in store] == kept
 
 
 def test_retrieve_delete_and_store_false(null_live: LiveServer) -> None:

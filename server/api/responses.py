@@ -335,8 +335,9 @@ def chat_request(body: ResponsesRequest, items: Sequence[InputItem]) -> ChatComp
         raise in_responses_terms(exc) from None
 
 
-_RENAMED = (("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"),
-            ("max_completion_tokens", "max_output_tokens"), ("chat_template_kwargs", "reasoning"))
+_RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("reasoning_effort", "reasoning.effort"), ("max_completion_tokens", "max_output_tokens"),
+            ("chat_template_kwargs", "reasoning"))
 _TOOL_FUNCTION = re.compile(r"^(tools\[\d+\])\.function\b")
 
 
