@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from server.engine import Engine
 from server.runtime import Host, build_engine, graph_loader
-from tests.api_fixtures import API_KEY, LiveServer, live_server, settings
+from tests.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
 from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, ScriptedGraph, gemma4_host
 
 # The Responses API's flat function-tool shape.
@@ -473,3 +473,21 @@ def test_the_plain_protocol_refuses_tools_and_thinking_naming_the_responses_fiel
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="gemma-test", input="Hi", reasoning={"effort": "high"})
     assert caught.value.body["param"] == "reasoning.effort"  # type: ignore[index]
+
+
+def test_a_device_error_after_the_headers_is_response_failed() -> None:
+    config = settings()
+    load, _ = slow_loader(null_host(), 0.0, fail_after=3)  # prefill + 2 decode calls work, then the device fails
+    with live_server(config, build_engine(null_host(), config, load=load)) as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        events = list(client.responses.create(model="gemma-test", input="Hi", temperature=0, max_output_tokens=20,
+                                              stream=True))
+        failed = events[-1]
+        assert failed.type == "response.failed" and failed.response.status == "failed"
+        assert failed.response.error is not None and "simulated device fault" in failed.response.error.message
+        assert failed.response.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert failed.response.id not in live.app.state.response_store
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.responses.create(model="gemma-test", input="Hi")
+        assert caught.value.body["code"] == "generation_error"  # type: ignore[index]
+        assert live.engine.state == "ok"
