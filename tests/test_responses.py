@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -25,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from server.engine import Engine
 from server.runtime import Host, build_engine, graph_loader
-from tests.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
+from tests.api_fixtures import API_KEY, ROOT, LiveServer, live_server, null_host, settings, slow_loader
 from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, ScriptedGraph, gemma4_host
 
 # The Responses API's flat function-tool shape.
@@ -491,3 +494,13 @@ def test_a_device_error_after_the_headers_is_response_failed() -> None:
             client.responses.create(model="gemma-test", input="Hi")
         assert caught.value.body["code"] == "generation_error"  # type: ignore[index]
         assert live.engine.state == "ok"
+
+
+def test_the_readme_example_runs_as_written() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.DOTALL)
+    (example,) = [block for block in blocks if "client.responses" in block]
+    with live_server(settings()) as live:
+        done = subprocess.run([sys.executable, "-c", example.replace("http://127.0.0.1:8080", live.url)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "cached_tokens" in done.stdout and len(done.stdout.split()) > 10, done.stdout
