@@ -203,6 +203,23 @@ def test_reasoning_item_streamed_and_not(client: OpenAI, script: Callable[[str],
     assert [e.output_index for e in added] == [0, 1] and added[1].item.id == final.output[1].id
 
 
+def test_reasoning_items_sent_back_are_the_assistant_turns_reasoning(client: OpenAI, server: LiveServer,
+                                                                     prompts: Prompts,
+                                                                     script: Callable[[str], None]) -> None:
+    script(THOUGHT)
+    first = client.responses.create(model=MODEL, input="2+2?", reasoning={"effort": "high"})
+    script("Yes.<turn|>")
+    client.responses.create(model=MODEL, reasoning={"effort": "high"}, input=[
+        {"role": "user", "content": "2+2?"}, *first.output, {"role": "user", "content": "Sure?"}])  # type: ignore[list-item]
+    sent_back = prompts.last
+    client.responses.create(model=MODEL, reasoning={"effort": "high"}, previous_response_id=first.id, input="Sure?")
+    assert prompts.last == sent_back
+    assert sent_back == chat_prompt(server, prompts, [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "It is 4.", "reasoning_content": "Let me see."},
+        {"role": "user", "content": "Sure?"}], reasoning_effort="high")
+
+
 def test_streamed_equals_non_streamed_on_the_random_model_greedy(client: OpenAI) -> None:
     common: dict[str, Any] = {"model": MODEL, "input": "Tell me a story.", "temperature": 0, "max_output_tokens": 24}
     r = client.responses.create(**common)
