@@ -40,6 +40,7 @@ def _bounded(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
 
 
 _positive_int, _positive_float, _non_negative_float = _bounded(int, 1, False), _bounded(float, 0, True), _bounded(float, 0, False)
+_non_negative_int = _bounded(int, 0, False)
 
 
 def _user_path(text: str) -> Path:
@@ -105,6 +106,13 @@ class Settings:
     max_n: int = _setting("--max-n", "MAX_N", _positive_int, 8,
                           "most choices one request may ask for: n, times the prompts of a /v1/completions list "
                           "(400 beyond; they are admitted together, so --max-queue bounds them too)")
+    responses_store_max: int = _setting("--responses-store-max", "RESPONSES_STORE_MAX", _non_negative_int, 1000,
+                                        "/v1/responses: most stored responses (for previous_response_id and GET); the "
+                                        "oldest is evicted first; 0: none kept")
+    responses_store_bytes: int = _setting("--responses-store-bytes", "RESPONSES_STORE_BYTES", _non_negative_int,
+                                          64 * 1024 * 1024, "/v1/responses: most bytes of JSON the stored responses "
+                                          "may hold together (each keeps its whole conversation); the oldest is "
+                                          "evicted first")
     served_model_name: str | None = _setting("--served-model-name", "SERVED_MODEL_NAME", str, None,
                                              "model id in the API", shown="from cfg/config.json")
     device: str = _setting("--device", "DEVICE", str, "cpu", "torch device for the hf graph (cpu, cuda)")

@@ -106,6 +106,8 @@ def _protected_requests(live: LiveServer) -> list[tuple[str, str, dict[str, Any]
         "/detokenize": {"tokens": [2]},
         "/v1/models": None,
         "/v1/models/{model:path}": None,
+        "/v1/responses": {"input": "x", "max_output_tokens": 1},
+        "/v1/responses/{response_id}": None,  # GET and DELETE: the id of a response stored for each request
     }
     requests = []
     for route in live.app.routes:
@@ -113,9 +115,20 @@ def _protected_requests(live: LiveServer) -> list[tuple[str, str, dict[str, Any]
         if route.path in OPEN:
             continue
         assert route.path in bodies, f"new route {route.path}: add it to this test"
-        method = "POST" if "POST" in (route.methods or ()) else "GET"
+        methods = route.methods or ()
+        method = "POST" if "POST" in methods else "DELETE" if "DELETE" in methods else "GET"
         requests.append((method, route.path.replace("{model:path}", "gemma-test"), bodies[route.path]))
     return requests
+
+
+def _concrete(client: httpx.Client, path: str) -> str:
+    """A stored response's id in place of `{response_id}` (a fresh one each time: DELETE removes it)."""
+    if "{response_id}" not in path:
+        return path
+    r = client.post("/v1/responses", json={"input": "x", "max_output_tokens": 1},
+                    headers={"Authorization": b"Bearer " + KEY.encode()})
+    assert r.status_code == 200, r.text
+    return path.replace("{response_id}", r.json()["id"])
 
 
 def test_every_protected_route_needs_the_key_and_takes_it_either_way(keyed: LiveServer,
@@ -128,14 +141,14 @@ def test_every_protected_route_needs_the_key_and_takes_it_either_way(keyed: Live
             for headers in ({}, {"Authorization": b"Bearer " + good[:-1]}, {"Authorization": b"Bearer " + good + b"x"},
                             {"Authorization": b"Basic " + good}, {"X-Api-Key": b"sk-reliability"},
                             {"Authorization": b"Bearer"}, {"X-Api-Key": KEY.encode("cp1251")}):
-                r = client.request(method, path, json=body, headers=headers)
+                r = client.request(method, _concrete(client, path), json=body, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
                 assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
                 assert KEY not in r.text
                 refused += 1
             for headers in ({"Authorization": b"Bearer " + good}, {"authorization": b"bearer  " + good},
                             {"X-Api-Key": good}, {"Authorization": b"Bearer wrong", "X-Api-Key": good}):
-                r = client.request(method, path, json=body, headers=headers)
+                r = client.request(method, _concrete(client, path), json=body, headers=headers)
                 assert r.status_code == 200, (path, headers, r.text)
         for path in OPEN:
             assert client.get(path).status_code == 200

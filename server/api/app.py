@@ -40,6 +40,8 @@ from server.api.metrics import Metrics, MetricsMiddleware
 from server.api.openai import OpenAIRoutes
 from server.api.page import chat_page
 from server.api.prompts import Prompts
+from server.api.response_store import ResponseStore
+from server.api.responses import ResponsesRoutes
 from server.api.service import Service
 from server.config import Settings
 from server.errors import APIError
@@ -154,6 +156,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
     metrics = Metrics(engine)
     service, prompts = Service(settings, engine, metrics), Prompts(model)
     api = OpenAIRoutes(service, prompts)
+    responses = ResponsesRoutes(api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
 
     async def health(request: Request) -> Response:
         state = engine.state
@@ -169,6 +172,9 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
     routes = [
         Route("/v1/chat/completions", protected(api.chat_completions), methods=["POST"]),
         Route("/v1/completions", protected(api.completions), methods=["POST"]),
+        Route("/v1/responses", protected(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", protected(responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", protected(responses.delete), methods=["DELETE"]),
         Route("/generate", protected(api.generate), methods=["POST"]),
         Route("/v1/models", protected(api.models), methods=["GET"]),
         Route("/v1/models/{model:path}", protected(api.model), methods=["GET"]),
@@ -199,4 +205,5 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
     )
     app.state.drain = service.drain
     app.state.service, app.state.prompts = service, prompts
+    app.state.response_store = responses.store
     return app

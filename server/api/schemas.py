@@ -16,7 +16,8 @@ Deliberate choices (do not "fix" these without reading why):
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -50,6 +51,7 @@ class _Request(_Body):
     """A top-level request body: unknown fields are refused unless they are in IGNORED_FIELDS."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+    refused_hints: ClassVar[Mapping[str, str]] = REFUSED_HINTS  # a route's own reasons for the fields it refuses
 
     @model_validator(mode="after")
     def _no_silent_drops(self) -> _Request:
@@ -59,7 +61,8 @@ class _Request(_Body):
                     raise PydanticCustomError("finite_number", "{name}: NaN and infinity are not valid JSON numbers",
                                               {"name": name, "param": name})
                 continue
-            why = REFUSED_HINTS.get(name, "this server does not support it, and ignoring it could change the output")
+            why = self.refused_hints.get(name, "this server does not support it, and ignoring it could change the "
+                                         "output")
             raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
                                       {"name": name[:64], "why": why, "param": name[:64]})
         return self

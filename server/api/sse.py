@@ -22,11 +22,13 @@ from starlette.types import Receive, Scope, Send
 DONE = "[DONE]"
 
 
-def frame(payload: Mapping[str, Any] | str) -> bytes:
-    """One SSE event: a JSON object (compact, UTF-8) or the literal `[DONE]`."""
+def frame(payload: Mapping[str, Any] | str, event: str | None = None) -> bytes:
+    """One SSE event: a JSON object (compact, UTF-8) or the literal `[DONE]`; `event`: its `event:` line (the
+    Responses API names each event by its type, as OpenAI does)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False,
                                                                   separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode()
 
 
 def _ping() -> ServerSentEvent:
