@@ -434,9 +434,10 @@ class Engine:
             start = self.graph.rewind(len(ids))
             del self._cached[start:]
             if start == len(ids):
-                return kept[1].clone(), start, 0  # a copy: the sampler may work on its input in place
+                return kept[1], start, 0  # Sampler.sample never modifies its input: the kept copy stays as it was
         reused = self._rewind_to_common_prefix(ids)
         logits, calls = self._prefill(handle, ids, reused)
+        # A copy: a graph may hand back a view of an output buffer its next call overwrites.
         self._kept = (list(ids), logits.clone()) if logits is not None else None
         return logits, reused, calls
 

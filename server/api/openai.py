@@ -44,7 +44,7 @@ from server.api.schemas import (
     TokenizeRequest,
     parse,
 )
-from server.api.service import ClientGone, Service, finish_error
+from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
 from server.errors import APIError
 from server.generation import (
@@ -357,10 +357,6 @@ class OpenAIRoutes:
             done = await self.service.collect(request, handles)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        for completion in done:
-            error = finish_error(completion.finish)
-            if error is not None:
-                raise error
         choices = [fmt.choice(c.text, c.deltas, c.finish) for fmt, c in zip(fmts, done, strict=True)]
         envelope = fmts[0].envelope
         return JSONResponse({**envelope.wrap(fmts[0].object_name, choices),
@@ -382,21 +378,13 @@ class OpenAIRoutes:
                         if chunk is not None:
                             yield frame(chunk)
                         continue
-                    error = finish_error(event)
-                    if error is not None:
-                        raise error
                     finishes.append(event)
                     for payload in fmt.final_chunks(event.reason):
                         yield frame(payload)
             if include_usage:
                 yield frame({**envelope.wrap(fmts[0].chunk_object_name, []), "usage": usage(finishes, n)})
-        except APIError as exc:  # after the headers: in-band
-            self.service.metrics.errors.labels(str(exc.status)).inc()
-            yield frame(exc.to_json())
-        except Exception as exc:  # noqa: BLE001 - a bug must still end the stream properly
-            self.service.metrics.errors.labels("500").inc()
-            log.exception("stream %s failed", envelope.id)
-            yield frame(APIError(500, f"Internal error: {type(exc).__name__}").to_json())
+        except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
+            yield frame(self.service.stream_failure(exc, envelope.id).to_json())
         yield frame(DONE)
 
     # ------------------------------------------------------------------ POST /v1/chat/completions
@@ -511,9 +499,6 @@ class OpenAIRoutes:
         except ClientGone:
             return Response(status_code=499)
         finish = done.finish
-        error = finish_error(finish)
-        if error is not None:
-            raise error
         return JSONResponse({"prompt": body.prompt, "response": done.text, "prompt_tokens": finish.prompt_tokens,
                              "gen_tokens": finish.completion_tokens, "finish_reason": finish.reason})
 

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.openai import ChatPlan, OpenAIRoutes, read_body
 from server.api.response_store import ResponseStore
 from server.api.schemas import ChatCompletionRequest, _Body, _Request, parse
-from server.api.service import ClientGone, finish_error
+from server.api.service import ClientGone
 from server.api.sse import GenerationStream, frame
 from server.errors import APIError
 from server.generation import Delta, Finish, RequestHandle
@@ -572,9 +572,6 @@ class ResponsesRoutes:
             (done,) = await self.service.collect(request, [handle])
         except ClientGone:
             return Response(status_code=499)
-        error = finish_error(done.finish)
-        if error is not None:
-            raise error
         for delta in done.deltas:
             builder.feed(delta)
         builder.finish(done.finish.reason)
@@ -602,22 +599,14 @@ class ResponsesRoutes:
                     for payload in builder.feed(engine_event):
                         yield event(payload)
                     continue
-                error = finish_error(engine_event)
-                if error is not None:
-                    raise error
                 for payload in builder.finish(engine_event.reason):
                     yield event(payload)
                 response = finished(shell, builder, engine_event)
                 if conversation is not None:
                     self._keep(response, conversation)
                 yield event({"type": f"response.{response['status']}", "response": response})
-        except APIError as exc:  # after the headers: in-band
-            self.service.metrics.errors.labels(str(exc.status)).inc()
-            yield event(self._failed(shell, builder, exc.message))
-        except Exception as exc:  # noqa: BLE001 - a bug must still end the stream properly
-            self.service.metrics.errors.labels("500").inc()
-            log.exception("stream %s failed", shell["id"])
-            yield event(self._failed(shell, builder, f"Internal error: {type(exc).__name__}"))
+        except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
+            yield event(self._failed(shell, builder, self.service.stream_failure(exc, shell["id"]).message))
 
     @staticmethod
     def _failed(shell: dict[str, Any], builder: OutputBuilder, message: str) -> dict[str, Any]:

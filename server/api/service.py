@@ -57,7 +57,8 @@ class Service:
             raise engine_error(exc) from None
 
     async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
-        """The engine's events, with the metrics and the one log line per request.
+        """The engine's events, with the metrics and the one log line per request. A Finish that is an error (the
+        generation failed, or was cancelled at shutdown) is raised as its APIError (`finish_error`) instead.
 
         A caller that stops listening early (client gone) releases the request (see `release`)."""
         last: float | None = None
@@ -72,6 +73,9 @@ class Service:
                 elif isinstance(event, Finish):
                     finished = True
                     self._finished(handle, event)
+                    error = finish_error(event)
+                    if error is not None:
+                        raise error
                 yield event
         finally:
             if not finished:
@@ -108,7 +112,7 @@ class Service:
 
     async def collect(self, request: Request, handles: Sequence[RequestHandle]) -> list[Completion]:
         """Run non-streaming requests (one request's choices) to their end, cancelling them all at once if the client
-        disconnects meanwhile."""
+        disconnects meanwhile (ClientGone). A choice that ended in an error raises it (see `events`)."""
         consumer = asyncio.ensure_future(asyncio.gather(*(collect(self.events(handle)) for handle in handles)))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
@@ -122,6 +126,16 @@ class Service:
         if not consumer.done() or consumer.cancelled():
             raise ClientGone
         return consumer.result()
+
+    def stream_failure(self, exc: Exception, stream_id: str) -> APIError:
+        """A stream that failed after its headers were sent: counted, logged if it is a bug, and the APIError the
+        stream reports in-band (each API in its own shape)."""
+        if isinstance(exc, APIError):
+            self.metrics.errors.labels(str(exc.status)).inc()
+            return exc
+        self.metrics.errors.labels("500").inc()
+        log.error("stream %s failed", stream_id, exc_info=exc)
+        return APIError(500, f"Internal error: {type(exc).__name__}")
 
     async def drain(self, grace_s: float) -> bool:
         """Stop admitting (health says draining, new requests 503); let in-flight requests finish for up to
