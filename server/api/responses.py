@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.openai import ChatPlan, OpenAIRoutes, read_body
 from server.api.response_store import ResponseStore
-from server.api.schemas import ChatCompletionRequest, _Body, _Request, parse
+from server.api.schemas import ChatCompletionRequest, _Body, _Request, joined_text_parts, parse
 from server.api.service import ClientGone
 from server.api.sse import GenerationStream, frame
 from server.errors import APIError
@@ -64,21 +64,12 @@ REFUSED = {
 
 
 def _texts(value: Any, allowed: tuple[str, ...]) -> str:
-    """A string, or text parts joined with "\\n" (as chat content parts are); any other part is refused."""
+    """A string, or text parts joined as chat content parts are; any other part is refused."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise ValueError(f"must be a string or a list of {' / '.join(allowed)} parts")
-    texts = []
-    for j, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in allowed:
-            raise ValueError(f"text-only model: part {j} has type {kind!r}; only {' and '.join(allowed)} parts are "
-                             "supported")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"part {j}: 'text' must be a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return joined_text_parts(value, allowed)
 
 
 class MessageItem(_Body):

@@ -78,6 +78,22 @@ def _finite(value: Any) -> bool:
     return True
 
 
+def joined_text_parts(parts: list[Any], allowed: tuple[str, ...]) -> str:
+    """Content parts of the `allowed` text types, their texts joined with "\n" (as vLLM does); any other part (an
+    image, audio, ...) is refused: this is a text-only model."""
+    texts: list[str] = []
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in allowed:
+            raise ValueError(f"text-only model: content part {index} has type {kind!r}; only "
+                             f"{' and '.join(repr(a) for a in allowed)} parts are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"content part {index}: 'text' must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = False
 
@@ -124,19 +140,7 @@ class Message(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        texts: list[str] = []
-        for index, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"text-only model: content part {index} has type {kind!r}; only 'text' parts are "
-                                 "supported")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ValueError(f"content part {index}: 'text' must be a string")
-            texts.append(text)
-        return "\n".join(texts)
+        return joined_text_parts(value, ("text",)) if isinstance(value, list) else value
 
 
 class SamplingFields(_Request):
