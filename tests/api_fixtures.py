@@ -57,20 +57,31 @@ def settings(**overrides: Any) -> Settings:
     return replace(base, **overrides)
 
 
-class SlowGraph:
-    """The null graph (or any graph) with `delay_s` per call; raises after `fail_after` calls if set."""
+class WrappedGraph:
+    """A test's stand-in device around a real graph: the same Graph facts, `rewind` passed through; subclasses change
+    `forward`."""
 
-    def __init__(self, inner: Graph, delay_s: float, fail_after: int | None = None) -> None:
+    def __init__(self, inner: Graph, label: str) -> None:
         self.inner = inner
-        self.delay_s = delay_s
-        self.fail_after = fail_after
         self.max_total = inner.max_total
         self.prefill_bucket = inner.prefill_bucket
         self.input_dtype = inner.input_dtype
         self.vocab_size = inner.vocab_size
         self.host_softcap = inner.host_softcap
-        self.name = f"slow-{inner.name}"
+        self.name = f"{label}-{inner.name}"
         self.calls = 0
+
+    def rewind(self, position: int) -> int:
+        return self.inner.rewind(position)
+
+
+class SlowGraph(WrappedGraph):
+    """The null graph (or any graph) with `delay_s` per call; raises after `fail_after` calls if set."""
+
+    def __init__(self, inner: Graph, delay_s: float, fail_after: int | None = None) -> None:
+        super().__init__(inner, "slow")
+        self.delay_s = delay_s
+        self.fail_after = fail_after
         self.call_starts: list[float] = []  # time.monotonic() at the start of each call
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
@@ -83,9 +94,6 @@ class SlowGraph:
             on_submit()  # like a device: the inputs are ready, the (simulated) device time starts now
         time.sleep(self.delay_s)
         return self.inner.forward(embeds, positions, last_only=last_only)
-
-    def rewind(self, position: int) -> int:
-        return self.inner.rewind(position)
 
 
 def slow_loader(host: Host, delay_s: float, fail_after: int | None = None) -> tuple[Callable[[], Graph], list[SlowGraph]]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -16,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from tests.models import tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "server" / "vendor" / "tp_mb_moe_sqz.py"
@@ -128,6 +132,20 @@ def save_tiny_checkpoint(directory: Path, model) -> Path:
     (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     (directory / "chat_template.jinja").write_text("{{ messages }}")
     return directory
+
+
+def export_cpu_artifacts(root: Path, model, max_total: int, bucket: int) -> Path:
+    """The recipe's `--target cpu` artifact directory (root/artifacts) for `model`, with the real Gemma tokenizer
+    (ids < 256 decode fine), as the server loads it."""
+    checkpoint = save_tiny_checkpoint(root / "checkpoint", model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir() / name, checkpoint / name)
+    out = root / "artifacts"
+    cmd = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out), "--target", "cpu",
+           "--max-total", str(max_total), "--prefill-bucket", str(bucket), "--quant", "none"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------

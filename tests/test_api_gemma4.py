@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from server.export import export
 from server.graphs.base import Graph
 from server.runtime import Host, build_engine, graph_loader, load_host
-from tests.api_fixtures import LiveServer, live_server, settings
+from tests.api_fixtures import LiveServer, WrappedGraph, live_server, settings
 from tests.gemma4_tokenizer import gemma4_cfg_dir
 from tests.models import tiny_gemma4_checkpoint
 
@@ -46,21 +46,14 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 
 
-class ScriptedGraph:
+class ScriptedGraph(WrappedGraph):
     """A stand-in device: the real graph, except that while `script` (token ids) is set, each request's logits force
     those tokens in order (the last one repeated). Needs every prompt in one prefill call (bucket = context)."""
 
     def __init__(self, inner: Graph) -> None:
-        self.inner = inner
-        self.max_total = inner.max_total
-        self.prefill_bucket = inner.prefill_bucket
-        self.input_dtype = inner.input_dtype
-        self.vocab_size = inner.vocab_size
-        self.host_softcap = inner.host_softcap
-        self.name = f"scripted-{inner.name}"
+        super().__init__(inner, "scripted")
         self.script: list[int] | None = None
         self._step = 0
-        self.calls = 0
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
@@ -72,9 +65,6 @@ class ScriptedGraph:
         forced = torch.full_like(logits, -20.0)  # [1, T, V]
         forced[..., self.script[min(self._step, len(self.script) - 1)]] = 20.0
         return forced
-
-    def rewind(self, position: int) -> int:
-        return self.inner.rewind(position)
 
 
 def gemma4_host(root: Path) -> Host:

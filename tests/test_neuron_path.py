@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import save_file
 
 from tests.api_fixtures import free_port
-from tests.models import tokenizer_dir
 from tests.test_recipe import BUCKET, MAX, H, recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +39,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The recipe's `--target cpu` artifact directory for a tiny random Gemma-4 (as tests/test_recipe_served.py)."""
-    root = tmp_path_factory.mktemp("neuron-path")
-    checkpoint = H.save_tiny_checkpoint(root / "checkpoint", H.make_tiny_hf(seed=5))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir() / name, checkpoint / name)
-    out = root / "artifacts"
-    cmd = [sys.executable, str(H.SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out), "--target", "cpu",
-           "--max-total", str(MAX), "--prefill-bucket", str(BUCKET), "--quant", "none"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    return out
+    return H.export_cpu_artifacts(tmp_path_factory.mktemp("neuron-path"), H.make_tiny_hf(seed=5), MAX, BUCKET)
 
 
 @contextmanager

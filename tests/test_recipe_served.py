@@ -8,9 +8,6 @@ prefill chunk, decode steps, and prefix reuse for a follow-up request.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +16,6 @@ import torch
 from server.engine import Engine
 from server.generation import Completion, Finish, GenerationRequest, SamplingParams
 from server.runtime import Host, build_engine, load_host
-from tests.models import tokenizer_dir
 from tests.test_recipe import BUCKET, MAX, H
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -32,15 +28,7 @@ def reference() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, reference: torch.nn.Module) -> Iterator[tuple[Host, Engine]]:
-    root = tmp_path_factory.mktemp("recipe-served")
-    checkpoint = H.save_tiny_checkpoint(root / "checkpoint", reference)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the real Gemma tokenizer: ids < 256 decode fine
-        shutil.copy(tokenizer_dir() / name, checkpoint / name)
-    out = root / "artifacts"
-    cmd = [sys.executable, str(H.SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out), "--target", "cpu",
-           "--max-total", str(MAX), "--prefill-bucket", str(BUCKET), "--quant", "none"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    out = H.export_cpu_artifacts(tmp_path_factory.mktemp("recipe-served"), reference, MAX, BUCKET)
     host = load_host(out, "jit")
     assert host.graph_kind == "jit"
     engine = build_engine(host)
