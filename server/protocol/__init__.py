@@ -7,7 +7,7 @@ Torch-free (`import server.protocol.gemma4` loads no torch); see base.py for the
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Container, Iterable
 
 from server.protocol.base import (
     ChatProtocol,
@@ -27,8 +27,9 @@ __all__ = ["ChatProtocol", "Delta", "Gemma4Protocol", "OutputParser", "ParseEnd"
            "PromptInputs", "ProtocolError", "ToolCallDelta", "collect", "detect_protocol"]
 
 
-def detect_protocol(vocab: Collection[str], special_tokens: Iterable[str] = ()) -> ChatProtocol:
-    """`vocab`: the tokenizer's token texts (`HostTokenizer.get_vocab()`); `special_tokens`: its special tokens' texts
+def detect_protocol(vocab: Container[str], special_tokens: Iterable[str] = ()) -> ChatProtocol:
+    """`vocab`: the tokenizer's token texts (only `in` is asked: `HostTokenizer.get_vocab()` or a lookup);
+    `special_tokens`: its special tokens' texts
     (`{t.content for t in tokenizer.backend_tokenizer.get_added_tokens_decoder().values() if t.special}`)."""
     if is_gemma4(vocab):
         return Gemma4Protocol(frozenset(special_tokens))

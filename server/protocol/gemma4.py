@@ -34,7 +34,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from typing import Any
 
 from server.protocol.base import (
@@ -73,7 +73,7 @@ _BARE_VALUE = re.compile(r"[^,}\]<]+")
 _MAX_CALL_CHARS = 1 << 20  # a "call" longer than this is not one: release it as content
 
 
-def is_gemma4(vocab: Collection[str]) -> bool:
+def is_gemma4(vocab: Container[str]) -> bool:
     """Gemma-4's protocol markers are all single tokens of this vocabulary."""
     return all(marker in vocab for marker in MARKERS)
 
