@@ -185,11 +185,16 @@ def test_reasoning_item_streamed_and_not(client: OpenAI, script: Callable[[str],
     script(THOUGHT)
     r = client.responses.create(model=MODEL, input="2+2?", reasoning={"effort": "high", "summary": "auto"})
     reasoning, message = r.output
-    assert reasoning.type == "reasoning" and reasoning.summary == []  # no summarizer: the thought is in content
-    assert reasoning.content is not None and [part.text for part in reasoning.content] == ["Let me see."]
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert [part.text for part in reasoning.content] == ["Let me see."]
+    # No summarizer: asked for a summary, the item's summary is the thought itself, verbatim.
+    assert [(part.type, part.text) for part in reasoning.summary] == [("summary_text", "Let me see.")]
     assert message.type == "message" and r.output_text == "It is 4."
     assert r.reasoning is not None and r.reasoning.effort == "high"
     assert r.usage is not None and 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+
+    plain = client.responses.create(model=MODEL, input="2+2?", reasoning={"effort": "high"})
+    assert plain.output[0].type == "reasoning" and plain.output[0].summary == []  # not asked for: none, as OpenAI's
 
     events = list(client.responses.create(model=MODEL, input="2+2?", reasoning={"effort": "high"}, stream=True))
     assert squeeze(event_types(events)) == EXPECTED_STREAM
@@ -521,3 +526,33 @@ def test_the_readme_example_runs_as_written() -> None:
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "cached_tokens" in done.stdout and len(done.stdout.split()) > 10, done.stdout
+
+
+def test_reasoning_summary_streams_as_openais_summary_events(client: OpenAI, script: Callable[[str], None]) -> None:
+    script(THOUGHT)
+    events = list(client.responses.create(model=MODEL, input="2+2?", stream=True,
+                                          reasoning={"effort": "high", "summary": "detailed"}))
+    final = events[-1].response
+    thought = final.output[0]
+    mine = [e for e in events if getattr(e, "item_id", None) == thought.id or
+            (e.type.startswith("response.output_item.") and e.item.id == thought.id)]
+    assert [e.type for e in mine if not e.type.endswith(".delta")] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_summary_part.added",
+        "response.reasoning_text.done", "response.content_part.done",
+        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done", "response.output_item.done"]
+    deltas = [e for e in mine if e.type.endswith(".delta")]
+    # Each piece of thought goes out twice in a row: as the content's text, then as the summary's.
+    assert [e.type for e in deltas] == ["response.reasoning_text.delta", "response.reasoning_summary_text.delta"] * (
+        len(deltas) // 2)
+    assert [e.delta for e in deltas[::2]] == [e.delta for e in deltas[1::2]]
+    assert "".join(e.delta for e in deltas[1::2]) == "Let me see."
+    (done,) = [e for e in mine if e.type == "response.reasoning_summary_text.done"]
+    (part_done,) = [e for e in mine if e.type == "response.reasoning_summary_part.done"]
+    assert done.text == part_done.part.text == "Let me see." and done.summary_index == 0
+    assert [(p.type, p.text) for p in thought.summary] == [("summary_text", "Let me see.")]
+    assert final.output_text == "It is 4."
+
+    # The SDK's stream helper accumulates the same summary.
+    with client.responses.stream(model=MODEL, input="2+2?", reasoning={"effort": "high", "summary": "auto"}) as stream:
+        helper = stream.get_final_response()
+    assert [p.text for p in helper.output[0].summary] == ["Let me see."]

@@ -10,8 +10,10 @@ Deliberate choices (do not "fix" these without reading why):
 - One builder (`OutputBuilder`) turns the parser's deltas into output items *and* the stream events that build them;
   a non-streamed response is the same builder fed the same engine deltas, so the two cannot differ.
 - The thought channel is a `reasoning` item whose `content` holds the thought's text (`reasoning_text` parts, as
-  OpenAI's open-weight models return it). `summary` stays empty even when `reasoning.summary` is asked for: there is
-  no summarizer, and the thought itself is not a summary.
+  OpenAI's open-weight models return it). There is no summarizer (a second generation at ~6 tok/s would double the
+  wait), so when `reasoning.summary` is asked for, the item's `summary` is the thought itself, verbatim, as one
+  `summary_text` part: clients that show only summaries (agents, IDE assistants) then show the thinking. Without
+  that field `summary` is `[]`, as OpenAI's.
 - A stored response keeps its whole conversation (see response_store.py); `previous_response_id` continues it.
   `instructions` are not carried over from the previous response, nor are `tools` (OpenAI's rules).
 - Errors from the chat planning name the Responses fields (`text.format`, `reasoning.effort`, `input`,
@@ -366,8 +368,9 @@ class OutputBuilder:
     complete call; a new item starts whenever the kind of text changes. Events carry copies: an item keeps growing
     after its `output_item.added` was sent."""
 
-    def __init__(self, parser: OutputParser) -> None:
+    def __init__(self, parser: OutputParser, *, summary: bool = False) -> None:
         self.parser = parser
+        self._summary = summary  # the thought is also each reasoning item's summary (reasoning.summary was asked)
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item text is added to
         self._tokens = 0  # generated tokens fed so far
@@ -416,8 +419,13 @@ class OutputBuilder:
         self._open = item
         added = {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": copy.deepcopy(item)}
         item["content"].append(part)
-        return [added, {"type": "response.content_part.added", **self._where(item), "content_index": 0,
-                        "part": copy.deepcopy(part)}]
+        events = [added, {"type": "response.content_part.added", **self._where(item), "content_index": 0,
+                          "part": copy.deepcopy(part)}]
+        if kind == "reasoning" and self._summary:
+            item["summary"].append({"type": "summary_text", "text": ""})
+            events.append({"type": "response.reasoning_summary_part.added", **self._where(item), "summary_index": 0,
+                           "part": {"type": "summary_text", "text": ""}})
+        return events
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
@@ -432,6 +440,10 @@ class OutputBuilder:
         else:
             events.append({"type": "response.reasoning_text.delta", **self._where(item), "content_index": 0,
                            "delta": text})
+            if item["summary"]:
+                item["summary"][0]["text"] += text
+                events.append({"type": "response.reasoning_summary_text.delta", **self._where(item),
+                               "summary_index": 0, "delta": text})
         return events
 
     def _close(self, status: str) -> list[dict[str, Any]]:
@@ -444,8 +456,13 @@ class OutputBuilder:
             events = [{"type": "response.output_text.done", **where, "text": part["text"], "logprobs": []}]
         else:
             events = [{"type": "response.reasoning_text.done", **where, "text": part["text"]}]
+        events.append({"type": "response.content_part.done", **where, "part": copy.deepcopy(part)})
+        for summary in item.get("summary", ()):  # one part at most: the thought itself
+            at = {**self._where(item), "summary_index": 0}
+            events += [{"type": "response.reasoning_summary_text.done", **at, "text": summary["text"]},
+                       {"type": "response.reasoning_summary_part.done", **at, "part": copy.deepcopy(summary)}]
         item["status"] = status
-        return [*events, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
+        return [*events,
                 {"type": "response.output_item.done", "output_index": where["output_index"],
                  "item": copy.deepcopy(item)}]
 
@@ -554,7 +571,8 @@ class ResponsesRoutes:
         except APIError as exc:
             raise in_responses_terms(exc) from None
         shell = response_shell(response_id, body, plan)
-        builder = OutputBuilder(plan.new_parser())
+        reasoning = body.reasoning or ReasoningConfig()
+        builder = OutputBuilder(plan.new_parser(), summary=(reasoning.summary or reasoning.generate_summary) is not None)
         store = body.store is not False
         if body.stream:
             return GenerationStream(self._stream(handle, builder, shell, conversation if store else None),
