@@ -302,6 +302,17 @@ def test_function_call_and_its_output_round_trip(client: OpenAI, server: LiveSer
     assert "<|tool_response>response:get_weather{temperature:21}<tool_response|>" in \
         server.host.tokenizer.decode(list(stateless))
 
+    # Each response lists its own input items (not earlier turns'), ids kept as sent or new, text as parts.
+    listed = [item.model_dump(exclude_none=True) for item in client.responses.input_items.list(second.id, order="asc")]
+    (message, sent_call, output) = listed
+    assert message["id"].startswith("msg_") and message["role"] == "user" and message["status"] == "completed"
+    assert message["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
+    assert sent_call["id"] == call.id and (sent_call["type"], sent_call["call_id"]) == ("function_call", call.call_id)
+    assert output["id"].startswith("fco_") and (output["call_id"], output["output"]) == (call.call_id, result)
+    assert [item.id for item in client.responses.input_items.list(second.id)] == [o["id"] for o in listed[::-1]]
+    (only,) = client.responses.input_items.list(third.id)
+    assert only.type == "function_call_output" and only.call_id == call.call_id
+
 
 @pytest.mark.parametrize("seed", range(2))
 def test_a_named_tool_choice_calls_that_function_validly(client: OpenAI, seed: int) -> None:
@@ -465,6 +476,31 @@ def test_retrieve_delete_and_store_false(null_live: LiveServer) -> None:
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_input_items_page_as_openais_cursor_list(null_live: LiveServer) -> None:
+    client = null_client(null_live)
+    said = [f"Message {i}" for i in range(5)]
+    r = client.responses.create(model="gemma-test", max_output_tokens=2,
+                                input=[{"role": "user", "content": text} for text in said])
+    page = client.responses.input_items.list(r.id, limit=2)
+    assert [item.content[0].text for item in page.data] == said[:-3:-1] and page.has_more  # newest first
+    assert page.first_id == page.data[0].id and page.last_id == page.data[1].id
+    everything = list(client.responses.input_items.list(r.id, limit=2))  # the SDK follows `after` to the end
+    assert [item.content[0].text for item in everything] == said[::-1]
+    assert [item.content[0].text for item in client.responses.input_items.list(r.id, order="asc", limit=100)] == said
+    last = client.responses.input_items.list(r.id, order="asc", after=everything[1].id)
+    assert [item.content[0].text for item in last] == said[-1:] and not last.has_more
+
+    base = f"{null_live.url}/v1/responses/{r.id}/input_items"
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=msg_nope", "after"), ("include=message.input_image.image_url", "include"),
+                         ("before=x", "before")):
+        reply = httpx.get(f"{base}?{query}", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, query
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(r.id)
 
 
 def test_the_api_key_and_the_body_limit_apply(null_live: LiveServer) -> None:

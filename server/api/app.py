@@ -174,6 +174,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
         Route("/v1/completions", protected(api.completions), methods=["POST"]),
         Route("/v1/responses", protected(responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", protected(responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}/input_items", protected(responses.input_items), methods=["GET"]),
         Route("/v1/responses/{response_id}", protected(responses.delete), methods=["DELETE"]),
         Route("/generate", protected(api.generate), methods=["POST"]),
         Route("/v1/models", protected(api.models), methods=["GET"]),

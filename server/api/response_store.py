@@ -1,7 +1,8 @@
 """The stored responses of `/v1/responses`: bounded in count and in bytes, the oldest evicted first.
 
-Each entry keeps the response object as it was returned (what `GET /v1/responses/{id}` answers) and the whole
-conversation it ends: the input items of every earlier turn, this request's input items, then its output items.
+Each entry keeps the response object as it was returned (what `GET /v1/responses/{id}` answers), the whole
+conversation it ends (the input items of every earlier turn, this request's input items, then its output items), and
+this request's input items as `GET /v1/responses/{id}/input_items` lists them.
 A `previous_response_id` therefore needs one entry, not a chain of them: evicting an older turn never breaks a later
 one. The price is that a long conversation is held once per turn; `max_bytes` bounds the total.
 
@@ -25,6 +26,7 @@ from typing import Any
 class StoredResponse:
     response: dict[str, Any]  # the response object as returned
     conversation: tuple[dict[str, Any], ...]  # input items of every turn so far, then this response's output items
+    inputs: tuple[dict[str, Any], ...]  # this request's input items, listed (ids, parts, status)
     size: int  # bytes of JSON
 
 
@@ -41,14 +43,16 @@ class ResponseStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._entries
 
-    def put(self, response: dict[str, Any], conversation: Sequence[dict[str, Any]]) -> bool:
+    def put(self, response: dict[str, Any], conversation: Sequence[dict[str, Any]],
+            inputs: Sequence[dict[str, Any]]) -> bool:
         """Keep a response (replacing one with the same id); evicts the oldest until both bounds hold. False when
         it cannot be kept at all (storing off, or larger than the whole byte budget)."""
-        size = len(json.dumps([response, list(conversation)], ensure_ascii=False, separators=(",", ":")).encode())
+        size = len(json.dumps([response, list(conversation), list(inputs)], ensure_ascii=False,
+                              separators=(",", ":")).encode())
         if self.max_count == 0 or size > self.max_bytes:
             return False
         self.delete(response["id"])
-        self._entries[response["id"]] = StoredResponse(response, tuple(conversation), size)
+        self._entries[response["id"]] = StoredResponse(response, tuple(conversation), tuple(inputs), size)
         self.bytes += size
         while len(self._entries) > self.max_count or self.bytes > self.max_bytes:
             _, oldest = self._entries.popitem(last=False)

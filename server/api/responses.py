@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`) on the chat path.
+"""OpenAI's Responses API (`POST /v1/responses`; `GET`, `DELETE /v1/responses/{id}`, and its `/input_items`) on the
+chat path.
 
 A Responses request is translated into a `ChatCompletionRequest` (its conversation as chat messages, its tools,
 tool_choice, text format and reasoning effort as the chat fields) and planned by `OpenAIRoutes.plan_chat`: the same
@@ -32,7 +33,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
@@ -74,7 +75,11 @@ def _texts(value: Any, allowed: tuple[str, ...]) -> str:
     return joined_text_parts(value, allowed)
 
 
-class MessageItem(_Body):
+class _Item(_Body):
+    id: str | None = Field(default=None, max_length=256)  # kept as sent (e.g. this server's output items sent back)
+
+
+class MessageItem(_Item):
     type: Literal["message"]
     role: Literal["user", "system", "developer", "assistant"]
     content: str
@@ -85,14 +90,14 @@ class MessageItem(_Body):
         return _texts(value, ("input_text", "output_text"))
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str  # a JSON object's text, parsed (and refused if it is not one) by the protocol
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str
@@ -108,7 +113,7 @@ class ReasoningText(_Body):
     text: str
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
     content: list[ReasoningText] | None = None
     summary: list[ReasoningText] = []
@@ -360,6 +365,21 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as `GET /v1/responses/{id}/input_items` lists it (OpenAI's item shapes): with an id (the one it
+    was sent with, else a new one), text content as parts, `status: "completed"`."""
+    listed = {"id": item.get("id") or _new_id(_ID_PREFIXES[item["type"]]), **item, "status": "completed"}
+    if item["type"] == "message":
+        if item["role"] == "assistant":
+            listed["content"] = [{"type": "output_text", "text": item["content"], "annotations": []}]
+        else:
+            listed["content"] = [{"type": "input_text", "text": item["content"]}]
+    return listed
+
+
 class OutputBuilder:
     """The generated text, through the plan's parser, as output items, and the stream events that build them in order
     (each event a dict with its `type`; the stream adds `sequence_number`).
@@ -555,6 +575,7 @@ class ResponsesRoutes:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             history = previous.conversation
         given = [item.model_dump(by_alias=True, exclude_none=True) for item in body.input]
+        inputs = [listed_item(item) for item in given]
         conversation = [*history, *given]
         if not conversation:
             raise APIError(400, "input: required (a string or a list of items)", param="input", code="invalid_value")
@@ -573,9 +594,15 @@ class ResponsesRoutes:
         shell = response_shell(response_id, body, plan)
         reasoning = body.reasoning or ReasoningConfig()
         builder = OutputBuilder(plan.new_parser(), summary=(reasoning.summary or reasoning.generate_summary) is not None)
-        store = body.store is not False
+
+        def keep(response: dict[str, Any]) -> None:
+            stored = self.store.put(response, [*conversation, *response["output"]], inputs)
+            if not stored:
+                log.warning("%s: not stored (larger than --responses-store-bytes, or storing is off)", response_id)
+
+        store = keep if body.store is not False else None
         if body.stream:
-            return GenerationStream(self._stream(handle, builder, shell, conversation if store else None),
+            return GenerationStream(self._stream(handle, builder, shell, store),
                                     lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
         try:
             (done,) = await self.service.collect(request, [handle])
@@ -586,15 +613,11 @@ class ResponsesRoutes:
         builder.finish(done.finish.reason)
         response = finished(shell, builder, done.finish)
         if store:
-            self._keep(response, conversation)
+            store(response)
         return JSONResponse(response)
 
-    def _keep(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        if not self.store.put(response, [*conversation, *response["output"]]):
-            log.warning("%s: not stored (larger than --responses-store-bytes, or storing is off)", response["id"])
-
     async def _stream(self, handle: RequestHandle, builder: OutputBuilder, shell: dict[str, Any],
-                      conversation: list[dict[str, Any]] | None) -> AsyncIterator[bytes]:
+                      store: Callable[[dict[str, Any]], None] | None) -> AsyncIterator[bytes]:
         numbers = itertools.count()
 
         def event(payload: dict[str, Any]) -> bytes:
@@ -611,8 +634,8 @@ class ResponsesRoutes:
                 for payload in builder.finish(engine_event.reason):
                     yield event(payload)
                 response = finished(shell, builder, engine_event)
-                if conversation is not None:
-                    self._keep(response, conversation)
+                if store:
+                    store(response)
                 yield event({"type": f"response.{response['status']}", "response": response})
         except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
             yield event(self._failed(shell, builder, self.service.stream_failure(exc, shell["id"]).message))
@@ -623,7 +646,7 @@ class ResponsesRoutes:
                     "error": {"code": "server_error", "message": message}}
         return {"type": "response.failed", "response": response}
 
-    # ------------------------------------------------------------------ GET, DELETE /v1/responses/{id}
+    # ------------------------------------------------------------------ GET, DELETE /v1/responses/{id}, input_items
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -634,6 +657,40 @@ class ResponsesRoutes:
         if stored is None:
             raise _not_found(response_id)
         return JSONResponse(stored.response)
+
+    async def input_items(self, request: Request) -> Response:
+        """`GET /v1/responses/{id}/input_items`: the input items of that request (not of earlier turns), a cursor page
+        as OpenAI's: `limit` 1-100 (20), `order` `desc` (newest first, the default) or `asc`, `after` an item id."""
+        response_id = request.path_params["response_id"]
+        query = request.query_params
+        unknown = sorted(set(query) - {"limit", "order", "after", "include", "include[]"})
+        if unknown:
+            raise APIError(400, f"{unknown[0]}: unknown query parameter (supported: limit, order, after)",
+                           param=unknown[0], code="invalid_value")
+        if query.getlist("include") or query.getlist("include[]"):
+            raise APIError(400, "include: nothing can be included (text items only)", param="include",
+                           code="invalid_value")
+        limit_text = query.get("limit", "20")
+        if not (limit_text.isascii() and limit_text.isdigit() and 1 <= int(limit_text) <= 100):
+            raise APIError(400, "limit: must be an integer from 1 to 100", param="limit", code="invalid_value")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order: must be 'asc' or 'desc'", param="order", code="invalid_value")
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        items = list(stored.inputs if order == "asc" else reversed(stored.inputs))
+        start = 0
+        if "after" in query:
+            ids = [item["id"] for item in items]
+            if query["after"] not in ids:
+                raise APIError(400, f"after: no input item of {response_id} has that id", param="after",
+                               code="invalid_value")
+            start = ids.index(query["after"]) + 1
+        page = items[start:start + int(limit_text)]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": start + len(page) < len(items)})
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
