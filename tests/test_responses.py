@@ -258,6 +258,10 @@ def test_the_stream_helper_and_its_final_response(client: OpenAI, script: Callab
         final = stream.get_final_response()
     assert "".join(texts) == final.output_text == "Hello there."
     assert final.status == "completed"
+    # Stored once the stream finished, as a non-streamed response is.
+    assert client.responses.retrieve(final.id).output_text == "Hello there."
+    (said,) = client.responses.input_items.list(final.id)
+    assert said.type == "message" and said.content[0].text == "Hi"  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ tools
