@@ -108,6 +108,7 @@ def _protected_requests(live: LiveServer) -> list[tuple[str, str, dict[str, Any]
         "/v1/models/{model:path}": None,
         "/v1/responses": {"input": "x", "max_output_tokens": 1},
         "/v1/responses/{response_id}": None,  # GET and DELETE: the id of a response stored for each request
+        "/v1/responses/{response_id}/input_items": None,
     }
     requests = []
     for route in live.app.routes:
