@@ -184,6 +184,10 @@ class ReasoningConfig(_Body):
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of `summary`
 
+    @property
+    def asked_summary(self) -> str | None:
+        return self.summary or self.generate_summary
+
 
 class ResponsesRequest(_Request):
     refused_hints = REFUSED
@@ -514,7 +518,7 @@ def response_shell(response_id: str, body: ResponsesRequest, plan: ChatPlan) -> 
         "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": plan.model, "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary or reasoning.generate_summary},
+        "reasoning": {"effort": reasoning.effort, "summary": reasoning.asked_summary},
         "store": body.store is not False, "temperature": plan.sampling.temperature,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True),
                  **({"verbosity": body.text.verbosity} if body.text and body.text.verbosity else {})},
@@ -575,7 +579,6 @@ class ResponsesRoutes:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             history = previous.conversation
         given = [item.model_dump(by_alias=True, exclude_none=True) for item in body.input]
-        inputs = [listed_item(item) for item in given]
         conversation = [*history, *given]
         if not conversation:
             raise APIError(400, "input: required (a string or a list of items)", param="input", code="invalid_value")
@@ -592,10 +595,10 @@ class ResponsesRoutes:
         except APIError as exc:
             raise in_responses_terms(exc) from None
         shell = response_shell(response_id, body, plan)
-        reasoning = body.reasoning or ReasoningConfig()
-        builder = OutputBuilder(plan.new_parser(), summary=(reasoning.summary or reasoning.generate_summary) is not None)
+        builder = OutputBuilder(plan.new_parser(), summary=(body.reasoning or ReasoningConfig()).asked_summary is not None)
 
         def keep(response: dict[str, Any]) -> None:
+            inputs = [listed_item(item) for item in given]  # ids for the items sent without one: only when stored
             stored = self.store.put(response, [*conversation, *response["output"]], inputs)
             if not stored:
                 log.warning("%s: not stored (larger than --responses-store-bytes, or storing is off)", response_id)
