@@ -49,7 +49,7 @@ COPY entrypoint.sh /app/entrypoint.sh
 # on the inf2 host (nothing here touches a NeuronCore, so any build machine can run it). That includes NxD's
 # model builder next to transformers 5, exactly as the graph load imports it.
 RUN chmod 0755 /app/entrypoint.sh \
- && python -c "import server.serve, server.fetch, server.runtime" \
+ && python -c "import server.app.serve, server.tools.fetch, server.app.runtime" \
  && python -c "from server.vendor.neuron_prelude import prepare_neuron_imports as p; assert p(), 'no NxD'" \
  && python -m server check --help > /dev/null
 

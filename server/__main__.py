@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from server.artifacts import DEFAULT_REPO
 from server.config import GRAPH_KINDS, Settings, add_options
+from server.model.artifacts import DEFAULT_REPO
 
 DEMO_GRAPHS = ("hf", "null")
 
@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = build_parser().parse_args(argv)
 
     if args.command == "check":
-        from server.artifacts import validate
         from server.errors import ArtifactError
+        from server.model.artifacts import validate
 
         try:
             validate(args.artifacts, args.graph)
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 0
 
     if args.command == "export":
-        from server.export import export
+        from server.tools.export import export
 
         _setup_logging("info")
         export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype)
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 0
 
     if args.command == "fetch":
-        from server.fetch import fetch
+        from server.tools.fetch import fetch
 
         _setup_logging("info")
         # No token passed: huggingface_hub reads HF_TOKEN (or its stored login) itself.
@@ -111,12 +111,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 2
     assert settings.cache_dir is not None  # from_cli fills in the default
     if args.command == "bench":
-        from server.bench import run_bench
+        from server.tools.bench.host import run_bench
 
         _setup_logging("warning")
         return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens)
     _setup_logging(settings.log_level)
-    from server.serve import listen, serve
+    from server.app.serve import listen, serve
 
     try:  # before anything loads (the demo's first export takes minutes): a taken port fails in a second
         listener = listen(settings.host, settings.port)
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if args.command == "demo":
         from dataclasses import replace
 
-        from server.demo import demo_artifacts
+        from server.tools.demo import demo_artifacts
 
         root = demo_artifacts(settings.cache_dir)
         settings = replace(settings, artifacts=root, graph=args.demo_graph,

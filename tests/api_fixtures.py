@@ -30,10 +30,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.app import create_app
+from server.app.page import chat_page_html
+from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.config import Settings
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.graphs.base import Graph
-from server.runtime import Host, build_engine, graph_loader, load_host
 from tests.models import demo_dir
 
 T = TypeVar("T")
@@ -113,7 +114,7 @@ class LiveServer:
         self.settings = config
         self.engine = engine
         self.host = host
-        self.app = create_app(config, engine, host.info)
+        self.app = create_app(config, engine, host.info, page=chat_page_html())
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import torch
 
-from server.artifacts import GraphSpec
+from server.model.artifacts import GraphSpec
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 LFS_SUFFIXES = (".pt", ".safetensors", ".bin")

@@ -16,7 +16,7 @@ CACHE = Path(os.environ.get("GEMMA4_OPTB_CACHE", "~/.cache/gemma4-optb")).expand
 
 
 def demo_dir() -> Path:
-    from server.demo import demo_artifacts
+    from server.tools.demo import demo_artifacts
 
     return demo_artifacts(CACHE)
 

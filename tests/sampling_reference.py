@@ -1,4 +1,4 @@
-"""The naive sampling reference the equivalence tests compare `server.sampling` against: soft-cap everything, sort the
+"""The naive sampling reference the equivalence tests compare `server.sampling.sampler` against: soft-cap everything, sort the
 whole vocabulary (the HF warpers' way), and what `Sampler.sample` draws from, as a distribution."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from server.generation import SamplingParams
-from server.sampling import candidates
+from server.engine.types import SamplingParams
+from server.sampling.sampler import candidates
 
 # Gemma-4's final-logit soft-cap: the reference's default, so its 3-argument call is the Gemma-4 baseline.
 GEMMA4_SOFTCAP = 30.0

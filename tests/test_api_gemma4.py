@@ -23,9 +23,9 @@ import torch
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from server.export import export
+from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.graphs.base import Graph
-from server.runtime import Host, build_engine, graph_loader, load_host
+from server.tools.export import export
 from tests.api_fixtures import LiveServer, WrappedGraph, live_server, settings
 from tests.gemma4_tokenizer import gemma4_cfg_dir
 from tests.models import tiny_gemma4_checkpoint

@@ -13,8 +13,8 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from server.generation import Completion, GenerationRequest, SamplingParams
-from server.runtime import build_engine
+from server.app.runtime import build_engine
+from server.engine.types import Completion, GenerationRequest, SamplingParams
 from tests.api_fixtures import LiveServer, hf_host, live_server, metric, settings
 
 MODEL = "gemma-test"

@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server.runtime import build_engine
+from server.app.runtime import build_engine
 from tests.api_fixtures import LiveServer, SlowGraph, live_server, null_host, settings, slow_loader
 
 STEP_S = 0.05

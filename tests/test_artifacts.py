@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.artifacts import ArtifactDir, GraphSpec, validate
 from server.errors import ArtifactError
+from server.model.artifacts import ArtifactDir, GraphSpec, validate
 
 
 def _make(root: Path, *, vocab: int = 32, hidden: int = 8, graph: bool = True) -> Path:

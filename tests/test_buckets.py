@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.buckets import buckets_of, chunk_spans, plan_chunks
+from server.engine.buckets import buckets_of, chunk_spans, plan_chunks
 
 
 def brute_force(count: int, buckets: list[int]) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import uvicorn
 from playwright.sync_api import Browser, Page
+from server.api.ui import chat_page_html
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,9 +30,8 @@ from starlette.routing import Route
 
 from server.__main__ import build_parser
 from server.api.page import chat_page
+from server.app.runtime import build_engine
 from server.config import Settings
-from server.runtime import build_engine
-from server.ui import chat_page_html
 from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader
 from tests.browser import launched_chromium
 
@@ -347,7 +347,7 @@ def test_browser_shows_reasoning_collapsed_above_the_answer(page: Page, tmp_path
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Any]]:
     """The tiny random Gemma-4 with the Gemma-4 tokenizer and template, behind a graph that forces a script."""
-    from server.runtime import graph_loader
+    from server.app.runtime import graph_loader
     from tests.test_api_gemma4 import MODEL, ScriptedGraph, gemma4_host
 
     host = gemma4_host(tmp_path_factory.mktemp("gemma4"))

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.constraint_mask import TokenMask, apply_bitmask_
-from server.constraints import (
+from server.constraints.constraint import (
     BannedTokens,
     ConstraintError,
     ConstraintLimits,
@@ -23,9 +22,10 @@ from server.constraints import (
     allowed_ids,
     build_constraint,
 )
+from server.model.tokenizer import HostTokenizer
 from server.protocol import collect
 from server.protocol.gemma4 import Gemma4Protocol
-from server.tokenizer import HostTokenizer
+from server.sampling.mask import TokenMask, apply_bitmask_
 from tests.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir
 
 V = 262_144
@@ -277,7 +277,7 @@ def test_limits_bound_depth(tokenizer) -> None:
                                                             "<channel|>", '<|"|>')}
     deep = {"type": "object", "properties": {"a": {"type": "object", "properties": {
         "b": {"type": "object", "properties": {"c": {"type": "string"}}}}}}}
-    from server.constraints import tool_call_grammar
+    from server.constraints.constraint import tool_call_grammar
 
     with pytest.raises(ConstraintError, match="deeper"):
         tool_call_grammar(small, [{"type": "function", "function": {"name": "f", "parameters": deep}}], None)
@@ -321,5 +321,5 @@ def test_building_constraints_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, server.constraints; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = "import sys, server.constraints.constraint; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)

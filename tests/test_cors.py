@@ -14,8 +14,9 @@ from starlette.testclient import TestClient
 
 from server.__main__ import build_parser
 from server.api.app import create_app
+from server.app.page import chat_page_html
+from server.app.runtime import build_engine
 from server.config import Settings
-from server.runtime import build_engine
 from tests.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
 
 ORIGIN = "http://front.example:3000"
@@ -106,7 +107,7 @@ def test_queue_full_429_carries_cors() -> None:
 
 def test_a_500_from_the_outermost_error_middleware_carries_cors() -> None:
     config = settings(allowed_origins=(ORIGIN,))
-    app = create_app(config, build_engine(null_host(), config), null_host().info)
+    app = create_app(config, build_engine(null_host(), config), null_host().info, page=chat_page_html())
 
     async def bug(request: Request) -> Response:  # a bug anywhere in a route: Starlette's ServerErrorMiddleware answers
         raise RuntimeError("a bug")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.detok import IncrementalDetokenizer, StopMatcher
+from server.model.detok import IncrementalDetokenizer, StopMatcher
 
 SAMPLES = [
     "Hello world",

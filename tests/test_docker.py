@@ -180,8 +180,8 @@ def _ignored(patterns: list[str], path: str) -> bool:
 def test_dockerignore_sends_only_what_the_image_copies() -> None:
     lines = (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
     patterns = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    for needed in ("requirements.txt", "entrypoint.sh", "server/__main__.py", "server/serve.py",
-                   "server/graphs/jit.py", "server/static/chat.html"):
+    for needed in ("requirements.txt", "entrypoint.sh", "server/__main__.py", "server/app/serve.py",
+                   "server/graphs/jit.py", "server/app/static/chat.html"):
         assert not _ignored(patterns, needed), needed
     for unwanted in (".git/config", "tests/test_fetch.py", "server/__pycache__/fetch.cpython-311.pyc",
                      "data/sqz_neff.pt", ".venv/bin/python"):

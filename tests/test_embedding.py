@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
-from server.embedding import HostEmbedding, open_table
+from server.model.embedding import HostEmbedding, open_table
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

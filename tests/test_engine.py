@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.app.runtime import Host, build_engine, load_host
 from server.config import Settings
-from server.engine import Engine
-from server.export import export
-from server.generation import Completion, Finish, GenerationRequest, QueueFull, SamplingParams
+from server.engine.engine import Engine
+from server.engine.types import Completion, Finish, GenerationRequest, QueueFull, SamplingParams
 from server.graphs.base import Graph
-from server.runtime import Host, build_engine, load_host
+from server.tools.export import export
 from tests.models import demo_dir, tiny_gemma4_checkpoint
 
 BUCKET, MAX = 16, 128

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from server.api.service import engine_error
-from server.engine import Engine
-from server.generation import Finish, GenerationRequest, SamplingParams
+from server.app.runtime import build_engine
+from server.engine.engine import Engine
+from server.engine.types import Finish, GenerationRequest, SamplingParams
 from server.graphs.base import Graph
 from server.graphs.null import NullGraph
-from server.runtime import build_engine
 from tests.api_fixtures import SlowGraph, null_host, settings
 
 GREEDY = SamplingParams(temperature=0.0)

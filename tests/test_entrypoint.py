@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.artifacts import validate
+from server.model.artifacts import validate
 from tests.hub_standin import HubStandIn, make_tiny_repo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +32,8 @@ SCRIPT = ROOT / "entrypoint.sh"
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
 SWAP_COMMANDS = ("sudo fallocate -l 40G /swapfile", "sudo chmod 600 /swapfile", "sudo mkswap /swapfile",
                  "sudo swapon /swapfile")
-HAVE_API = (ROOT / "server" / "serve.py").is_file()
-needs_api = pytest.mark.skipif(not HAVE_API, reason="server/serve.py (the HTTP layer) has not landed yet")
+HAVE_API = (ROOT / "server" / "app" / "serve.py").is_file()
+needs_api = pytest.mark.skipif(not HAVE_API, reason="server/app/serve.py (the HTTP layer) has not landed yet")
 
 STUB = """#!/usr/bin/env bash
 # A stand-in interpreter: records `-m server CMD ARGS...` and answers with the exit code the test chose.

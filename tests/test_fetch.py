@@ -1,4 +1,4 @@
-"""`server.fetch` against a local stand-in of the Hub: allow-list, resume, disk check, verification, errors.
+"""`server.tools.fetch` against a local stand-in of the Hub: allow-list, resume, disk check, verification, errors.
 
 The happy path and the unreachable-Hub case run the real CLI (`python -m server fetch`) in a subprocess with
 `HF_ENDPOINT`/`HF_HOME` set, as the container does: huggingface_hub reads its environment at import. The rest
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from server.artifacts import validate
-from server.fetch import EXIT_CORRUPT, EXIT_DISK, EXIT_HUB, EXIT_INVALID, HEADROOM_BYTES, check_disk_space, fetch
+from server.model.artifacts import validate
+from server.tools.fetch import EXIT_CORRUPT, EXIT_DISK, EXIT_HUB, EXIT_INVALID, HEADROOM_BYTES, check_disk_space, fetch
 from tests.hub_standin import COMMIT, HubStandIn, make_tiny_repo
 
 REPO = "acme/tiny-artifacts"
@@ -112,7 +112,7 @@ def test_disk_space_refusal_names_needed_and_free_bytes(
     hub: HubStandIn, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     dest = tmp_path / "data"
-    with caplog.at_level(logging.ERROR, logger="server.fetch"):
+    with caplog.at_level(logging.ERROR, logger="server.tools.fetch"):
         code = fetch(REPO, dest, endpoint=hub.url, free_bytes=lambda _: 12345)
     assert code == EXIT_DISK
     message = caplog.text
@@ -124,7 +124,7 @@ def test_disk_space_refusal_names_needed_and_free_bytes(
 
 
 def test_disk_check_counts_only_what_is_still_missing(hub: HubStandIn, repo_dir: Path, tmp_path: Path) -> None:
-    from server.fetch import list_remote_files
+    from server.tools.fetch import list_remote_files
 
     commit, files = list_remote_files(REPO, revision=None, token=None, endpoint=hub.url)
     assert commit == COMMIT and {f.path for f in files} == WANTED
@@ -148,7 +148,7 @@ def test_hash_mismatch_is_reported_the_file_removed_and_a_rerun_heals(
     hub.corrupt["model.pt"] = bytes([model[0] ^ 0xFF]) + model[1:]  # same size: only the hash can tell
     hub.corrupt["graph.json"] = graph_json.replace(b"64", b"65")  # a small non-LFS file: git blob id
     dest = tmp_path / "data"
-    with caplog.at_level(logging.ERROR, logger="server.fetch"):
+    with caplog.at_level(logging.ERROR, logger="server.tools.fetch"):
         assert fetch(REPO, dest, endpoint=hub.url) == EXIT_CORRUPT
     assert f"model.pt: sha256 {__import__('hashlib').sha256(hub.corrupt['model.pt']).hexdigest()}" in caplog.text
     assert f"the Hub says {hub.files['model.pt'].sha256}" in caplog.text
@@ -165,7 +165,7 @@ def test_pinned_revision_and_unknown_revision(
 ) -> None:
     assert fetch(REPO, tmp_path / "pinned", revision=COMMIT, endpoint=hub.url) == 0
     assert any(f"/revision/{COMMIT}" in r.path for r in hub.requests)
-    with caplog.at_level(logging.ERROR, logger="server.fetch"):
+    with caplog.at_level(logging.ERROR, logger="server.tools.fetch"):
         assert fetch(REPO, tmp_path / "nope", revision="no-such-branch", endpoint=hub.url) == EXIT_HUB
     assert "no-such-branch" in caplog.text and "RevisionNotFound" in caplog.text
 
@@ -173,6 +173,6 @@ def test_pinned_revision_and_unknown_revision(
 def test_downloaded_but_not_usable_for_the_graph(
     hub: HubStandIn, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="server.fetch"):
+    with caplog.at_level(logging.ERROR, logger="server.tools.fetch"):
         assert fetch(REPO, tmp_path / "data", graph="hf", endpoint=hub.url) == EXIT_INVALID
     assert "hf/config.json: missing" in caplog.text  # the allow-list never takes hf/: say so, do not crash

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from server.model.tokenizer import HostTokenizer
 from server.protocol import Gemma4Protocol, PlainProtocol, collect, detect_protocol
-from server.tokenizer import HostTokenizer
 from tests.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir, source_tokenizer_json
 
 Q = '<|"|>'

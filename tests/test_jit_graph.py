@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.artifacts import GraphSpec
 from server.graphs.jit import ContractInputs, JitGraph
+from server.model.artifacts import GraphSpec
 
 MAX, BUCKET, WINDOW, HIDDEN, VOCAB = 64, 8, 5, 16, 50
 NEG = torch.finfo(torch.float32).min

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.process import release_freed_memory
+from server.app.process import release_freed_memory
 
 
 def test_release_freed_memory_is_safe_to_call() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.bench import CONFIG_26B
+from server.tools.bench.host import CONFIG_26B
 
 
 def _load_helpers():

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.bench import CONFIG_26B
+from server.tools.bench.host import CONFIG_26B
 from tests.test_recipe import BUCKET, DRIVE, HIDDEN, MAX, H, prompt_of, recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -293,7 +293,7 @@ def test_roofline_of_26b_a4b(tmp_path, capsys):
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_served_selective_build_matches_generate(tmp_path, quant):
-    from server.runtime import build_engine, load_host
+    from server.app.runtime import build_engine, load_host
     from tests.models import tokenizer_dir
     from tests.test_recipe_served import expected, prompt_ids, run
 

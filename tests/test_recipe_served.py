@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from server.engine import Engine
-from server.generation import Completion, Finish, GenerationRequest, SamplingParams
-from server.runtime import Host, build_engine, load_host
+from server.app.runtime import Host, build_engine, load_host
+from server.engine.engine import Engine
+from server.engine.types import Completion, Finish, GenerationRequest, SamplingParams
 from tests.test_recipe import BUCKET, MAX, H
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

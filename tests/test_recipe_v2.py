@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.artifacts import GraphSpec, validate
-from server.buckets import plan_chunks
-from server.engine import Engine
+from server.app.runtime import Host, build_engine, graph_loader, load_host
+from server.engine.buckets import plan_chunks
+from server.engine.engine import Engine
+from server.engine.types import Completion, Finish, GenerationRequest, SamplingParams
 from server.errors import ArtifactError
-from server.generation import Completion, Finish, GenerationRequest, SamplingParams
 from server.graphs.jit import JitGraphV2
-from server.runtime import Host, build_engine, graph_loader, load_host
+from server.model.artifacts import GraphSpec, validate
 from tests.models import tiny_gemma4_checkpoint
 from tests.recipe_helpers import SCRIPT
 
@@ -226,9 +226,9 @@ def test_missing_rank_weights_are_named(artifacts: Path, tmp_path: Path) -> None
 def test_loading_separate_weights_adds_no_anonymous_memory(artifacts: Path, tmp_path: Path) -> None:
     """Peak RssAnon while the graph loads (and takes one step) stays within 10% of the host's own baseline, although
     the weights (~70 MB here, a sixth of that baseline) would push it past that if they were read into memory.
-    python -m server.bench_load measures it the same way on a model whose weights are a few GB (README)."""
+    python -m server.tools.bench.load measures it the same way on a model whose weights are a few GB (README)."""
     out = tmp_path / "load.json"
-    done = subprocess.run([sys.executable, "-m", "server.bench_load", "--artifacts", str(artifacts), "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "server.tools.bench.load", "--artifacts", str(artifacts), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())

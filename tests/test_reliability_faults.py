@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from server.app.runtime import build_engine, graph_loader
 from server.graphs.base import Graph
-from server.runtime import build_engine, graph_loader
 from tests.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
 
 HI = [{"role": "user", "content": "Hi"}]

@@ -33,7 +33,7 @@ import anyio.to_thread
 import httpx
 import pytest
 
-from server.runtime import build_engine
+from server.app.runtime import build_engine
 from tests.api_fixtures import LiveServer, null_host, settings, slow_loader
 
 STEP_S = 0.003

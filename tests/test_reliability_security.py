@@ -26,11 +26,11 @@ from starlette.routing import Route
 import server.api as api_package
 from server.__main__ import build_parser, main
 from server.api import app as app_module
-from server.artifacts import validate
 from server.config import Settings
-from server.embedding import open_table
 from server.errors import ArtifactError
-from server.fetch import RemoteFile, verify
+from server.model.artifacts import validate
+from server.model.embedding import open_table
+from server.tools.fetch import RemoteFile, verify
 from tests.api_fixtures import LiveServer, live_server, settings
 from tests.models import demo_dir
 
@@ -167,7 +167,7 @@ def test_no_module_of_the_http_layer_touches_the_filesystem() -> None:
     banned = ("open(", "read_text", "read_bytes", "write_text", "FileResponse", "StaticFiles", "os.path", "Path(",
               "torch.load", "pickle", "import pathlib", "from pathlib", "os.listdir", "os.scandir")
     folder = Path(api_package.__file__).parent
-    for source in sorted(folder.glob("*.py")):
+    for source in sorted(folder.rglob("*.py")):
         text = source.read_text(encoding="utf-8")
         found = [word for word in banned if word in text]
         assert not found, f"{source.name} uses {found}"

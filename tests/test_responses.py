@@ -26,8 +26,8 @@ import torch
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from server.engine import Engine
-from server.runtime import Host, build_engine, graph_loader
+from server.app.runtime import Host, build_engine, graph_loader
+from server.engine.engine import Engine
 from tests.api_fixtures import API_KEY, ROOT, LiveServer, live_server, null_host, settings, slow_loader
 from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, ScriptedGraph, gemma4_host
 

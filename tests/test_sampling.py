@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from server.bench import full_sort_top_p
-from server.generation import SamplingParams
-from server.sampling import Sampler, argmax, candidates, topk
+from server.engine.types import SamplingParams
+from server.sampling.sampler import Sampler, argmax, candidates, topk
+from server.tools.bench.host import full_sort_top_p
 from tests.sampling_reference import candidate_distribution, reference_probs
 
 V = 262_144  # Gemma's vocabulary: the fast paths only engage at realistic sizes

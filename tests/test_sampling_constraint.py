@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from server.constraints import BannedTokens, Constraint
-from server.generation import SamplingParams
-from server.sampling import Sampler
+from server.constraints.constraint import BannedTokens, Constraint
+from server.engine.types import SamplingParams
+from server.sampling.sampler import Sampler
 
 V = 4096
 SOFTCAP = 30.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from server.serve import listen
+from server.app.serve import listen
 
 
 def test_connections_accepted_on_the_listener_have_nagle_off() -> None:

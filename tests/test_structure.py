@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.bench import CONFIG_26B
-from server.structure import ModelStructure
+from server.model.structure import ModelStructure
+from server.tools.bench.host import CONFIG_26B
 
 
 def cfg_dir(root: Path, **overrides: object) -> Path:
@@ -38,7 +38,7 @@ def test_a_cached_structure_equals_the_derived_one(tmp_path: Path) -> None:
 def test_the_cached_start_does_not_import_transformers(tmp_path: Path) -> None:
     cfg, cache = cfg_dir(tmp_path / "cfg"), tmp_path / "cache"
     ModelStructure.from_dir(cfg, cache)
-    code = ("import sys; from server.structure import ModelStructure as M; "
+    code = ("import sys; from server.model.structure import ModelStructure as M; "
             f"s = M.from_dir({str(cfg)!r}, __import__('pathlib').Path({str(cache)!r})); "
             "print(s.embed_scale, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

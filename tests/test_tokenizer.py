@@ -1,4 +1,4 @@
-"""server.tokenizer.HostTokenizer against transformers, the reference it replaces: on the real 262k Gemma tokenizer
+"""server.model.tokenizer.HostTokenizer against transformers, the reference it replaces: on the real 262k Gemma tokenizer
 (ids, decodes, lookups, its chat template, the legacy-merges cache) and on tiny tokenizers built here (config-file
 semantics, chat-template features, cache edge cases, decode clean-up)."""
 
@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from server import cache as cache_module
 from server import tokenizer as host_tokenizer
-from server.tokenizer import HostTokenizer
+from server.model.tokenizer import HostTokenizer
 from tests.models import tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def test_legacy_merges_cache_gives_the_same_tokenizer(real_cache: tuple[Path, Ho
 
 
 def test_the_streaming_detokenizer_takes_it(ours: HostTokenizer) -> None:
-    from server.detok import IncrementalDetokenizer
+    from server.model.detok import IncrementalDetokenizer
 
     for text in TEXTS:
         ids = ours.encode(text)
@@ -182,7 +182,7 @@ def test_the_streaming_detokenizer_takes_it(ours: HostTokenizer) -> None:
 
 def test_importing_and_using_it_never_loads_transformers(real_dir: Path, tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from server.tokenizer import HostTokenizer\n"
+        "import sys; from pathlib import Path; from server.model.tokenizer import HostTokenizer\n"
         "t = HostTokenizer.from_dir(sys.argv[1], cache_dir=Path(sys.argv[2]))\n"
         "t.decode(t.encode('hi')); t.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))\n"

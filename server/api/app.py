@@ -36,17 +36,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.chat.plan import Prompts
+from server.api.chat.routes import OpenAIRoutes
 from server.api.metrics import Metrics, MetricsMiddleware
-from server.api.openai import OpenAIRoutes
 from server.api.page import chat_page
-from server.api.prompts import Prompts
-from server.api.response_store import ResponseStore
-from server.api.responses import ResponsesRoutes
+from server.api.responses.routes import ResponsesRoutes
+from server.api.responses.store import ResponseStore
 from server.api.service import Service
 from server.config import Settings
+from server.engine.types import EngineAPI, ModelInfo
 from server.errors import APIError
-from server.generation import EngineAPI, ModelInfo
-from server.ui import chat_page_html
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -152,7 +151,8 @@ def _cors(settings: Settings) -> dict[str, object] | None:
             "max_age": 600}
 
 
-def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starlette:
+def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page: bytes | None = None) -> Starlette:
+    """`page`: the chat page's HTML served at `/` (server.app.page reads it; None or `--no-ui`: no page)."""
     metrics = Metrics(engine)
     service, prompts = Service(settings, engine, metrics), Prompts(model)
     api = OpenAIRoutes(service, prompts)
@@ -183,7 +183,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo) -> Starl
         Route("/detokenize", protected(api.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-        *([] if settings.no_ui else [Route("/", chat_page(chat_page_html()), methods=["GET"])]),  # open: no secret
+        *([] if settings.no_ui or page is None else [Route("/", chat_page(page), methods=["GET"])]),  # open: no secret
     ]
     known = frozenset(r.path for r in routes if "{" not in r.path)
 

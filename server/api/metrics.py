@@ -12,7 +12,7 @@ from collections.abc import Container
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.generation import EngineAPI, Finish
+from server.engine.types import EngineAPI, Finish
 
 PREFIX = "gemma4"
 

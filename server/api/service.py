@@ -15,8 +15,7 @@ from starlette.requests import Request
 
 from server.api.metrics import Metrics
 from server.config import Settings
-from server.errors import APIError
-from server.generation import (
+from server.engine.types import (
     Completion,
     Delta,
     EngineAPI,
@@ -29,6 +28,7 @@ from server.generation import (
     RequestHandle,
     collect,
 )
+from server.errors import APIError
 
 log = logging.getLogger("server.api")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from server.artifacts import GraphSpec
 from server.graphs.base import DTYPES
+from server.model.artifacts import GraphSpec
 
 
 class HFGraph:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from server.artifacts import GraphSpec
 from server.graphs.base import DTYPES
+from server.model.artifacts import GraphSpec
 from server.vendor.neuron_prelude import prepare_neuron_imports
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class JitGraphV2(_CompiledGraph):
         self._written = -1  # highest position written (pads included) since the cache was last filled from 0
 
     def _load_separate_weights(self, files: list[Path], start_rank: int) -> None:
-        from server.weights import attach_weights, open_rank_weights
+        from server.model.weights import attach_weights, open_rank_weights
 
         weights = [open_rank_weights(f) for f in files]  # memory-mapped, one dict per rank
         if hasattr(self.module, "nxd_model"):

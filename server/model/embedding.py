@@ -33,7 +33,7 @@ def open_table(path: Path | str) -> torch.Tensor:
 def _open_safetensors(path: Path) -> torch.Tensor:
     """A zero-copy view of the single tensor (or the one named 'weight') in a safetensors file, through the same
     memory map as a graph's weight files (safetensors' own get_tensor copies it)."""
-    from server.weights import open_rank_weights
+    from server.model.weights import open_rank_weights
 
     tensors = open_rank_weights(path)
     name = "weight" if "weight" in tensors else next(iter(tensors)) if len(tensors) == 1 else None

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from server.constraints import Constraint
+from server.constraints.constraint import Constraint
 
 _FEW_WORDS = 256  # up to this many 32-bit words to expand (8,192 ids), the sparse paths beat a full unpack
 _ALL = np.int32(-1)

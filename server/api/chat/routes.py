@@ -33,7 +33,7 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.prompts import GRAMMAR_RETRY_AFTER_S, GRAMMAR_WAIT_S, Prompts, grammar_spec, invalid
+from server.api.chat.plan import GRAMMAR_RETRY_AFTER_S, GRAMMAR_WAIT_S, Prompts, grammar_spec, invalid
 from server.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,8 +46,7 @@ from server.api.schemas import (
 )
 from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
-from server.errors import APIError
-from server.generation import (
+from server.engine.types import (
     Delta,
     Finish,
     GenerationRequest,
@@ -56,6 +55,7 @@ from server.generation import (
     TokenConstraint,
     TokenLogprob,
 )
+from server.errors import APIError
 from server.protocol import Delta as ParsedDelta
 from server.protocol import OutputParser, PromptInputs, ToolCallDelta, collect
 from server.protocol.base import PlainParser
@@ -425,7 +425,7 @@ class OpenAIRoutes:
         spec = grammar_spec(body)
         if spec is None:
             return [None] * n
-        from server.constraints import ConstraintError, build_constraint
+        from server.constraints.constraint import ConstraintError, build_constraint
 
         try:
             vocab = await anyio.to_thread.run_sync(self.prompts.grammar.wait, GRAMMAR_WAIT_S)

@@ -10,15 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.artifacts import ArtifactDir, GraphSpec, validate
+from server.app.process import freeze_heap, single_threaded_torch
 from server.config import Settings
-from server.embedding import HostEmbedding
-from server.engine import Engine
-from server.generation import ModelInfo
+from server.engine.engine import Engine
+from server.engine.types import ModelInfo
 from server.graphs.base import DTYPES, Graph
-from server.process import freeze_heap, single_threaded_torch
-from server.structure import ModelStructure
-from server.tokenizer import HostTokenizer
+from server.model.artifacts import ArtifactDir, GraphSpec, validate
+from server.model.embedding import HostEmbedding
+from server.model.structure import ModelStructure
+from server.model.tokenizer import HostTokenizer
 
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (

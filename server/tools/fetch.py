@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.artifacts import ALLOW_PATTERNS, validate
 from server.errors import ArtifactError
+from server.model.artifacts import ALLOW_PATTERNS, validate
 
 log = logging.getLogger(__name__)
 

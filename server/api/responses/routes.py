@@ -40,13 +40,13 @@ from pydantic import Field, TypeAdapter, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.openai import ChatPlan, OpenAIRoutes, read_body
-from server.api.response_store import ResponseStore
+from server.api.chat.routes import ChatPlan, OpenAIRoutes, read_body
+from server.api.responses.store import ResponseStore
 from server.api.schemas import ChatCompletionRequest, _Body, _Request, joined_text_parts, parse
 from server.api.service import ClientGone
 from server.api.sse import GenerationStream, frame
+from server.engine.types import Delta, Finish, RequestHandle
 from server.errors import APIError
-from server.generation import Delta, Finish, RequestHandle
 from server.protocol import Delta as ParsedDelta
 from server.protocol import OutputParser, ToolCallDelta
 

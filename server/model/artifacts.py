@@ -264,7 +264,7 @@ def _hint(art: ArtifactDir, kind: str) -> str:
 
 
 def _check_embedding(path: Path, config: dict[str, Any] | None) -> str | None:
-    from server.embedding import open_table  # torch lives there
+    from server.model.embedding import open_table  # torch lives there
 
     try:
         table = open_table(path)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from server.artifacts import CFG_DIR, GRAPH_JSON, HF_DIR, GraphSpec
 from server.graphs.base import DTYPES
+from server.model.artifacts import CFG_DIR, GRAPH_JSON, HF_DIR, GraphSpec
 
 log = logging.getLogger(__name__)
 

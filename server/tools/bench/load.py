@@ -1,6 +1,6 @@
 """Host memory while a graph loads: peak anonymous RSS (`RssAnon`) against the server's own baseline.
 
-    python -m server.bench_load --artifacts DIR [--graph jit] [--json PATH]
+    python -m server.tools.bench.load --artifacts DIR [--graph jit] [--json PATH]
 
 Baseline: RssAnon once the host side is up (tokenizer, structure, memory-mapped table), before the graph. Peak:
 the highest RssAnon a separate sampler process sees (every 2 ms, from /proc, so a load that holds the GIL cannot
@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from server.tools.bench.report import status_kib
+
 SAMPLER = """
 import select, sys, time
 pid, interval, peak = sys.argv[1], float(sys.argv[2]), 0
@@ -37,19 +39,10 @@ while True:
 """
 
 
-def status_kib(pid: int | str = "self", field: str = "RssAnon") -> int:
-    """A memory figure of /proc/PID/status (RssAnon, VmRSS, ...), in KiB."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/PID/status (Linux only)")
-
-
 def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
     import torch
 
-    from server.runtime import graph_loader, load_host
+    from server.app.runtime import graph_loader, load_host
 
     host = load_host(root, graph)
     weight_bytes = sum((root / f).stat().st_size for f in host.spec.weight_files)
@@ -86,12 +79,12 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server.bench_load", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m server.tools.bench.load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifacts", type=Path, required=True)
     parser.add_argument("--graph", default="jit")
     parser.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    from server.bench import report
+    from server.tools.bench.report import report
 
     report(measure_load_memory(args.artifacts, args.graph), args.json_path)
     return 0

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.artifacts import GraphSpec
-from server.bench_load import status_kib
-from server.generation import SamplingParams
+from server.engine.types import SamplingParams
+from server.model.artifacts import GraphSpec
+from server.tools.bench.report import percentile, report, status_kib
 
 if TYPE_CHECKING:
-    from server.engine import Engine
-    from server.runtime import Host
-    from server.tokenizer import HostTokenizer
+    from server.app.runtime import Host
+    from server.engine.engine import Engine
+    from server.model.tokenizer import HostTokenizer
 
 VOCAB, HIDDEN, MAX_TOTAL, BUCKET = 262_144, 2816, 512, 128
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
@@ -68,7 +68,7 @@ CONFIG_26B: dict[str, Any] = {
 
 def bench_artifacts(cache_root: Path) -> Path:
     """cfg/ (26B config + the real tokenizer), a real-size random bf16 table, graph.json. Built once."""
-    from server.demo import demo_artifacts
+    from server.tools.demo import demo_artifacts
 
     root = cache_root / "bench-26b-shapes"
     if (root / "graph.json").is_file():
@@ -99,24 +99,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank q-th percentile."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def report(results: dict[str, Any], json_path: Path | None = None) -> None:
-    """A table, then the results as one JSON line (also written to `json_path`)."""
-    width = max(len(k) for k in results)
-    print(f"{'metric':<{width}}  value")
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
-    print(line)
-    if json_path is not None:
-        json_path.write_text(line + "\n", encoding="utf-8")
-
-
 def full_sort_top_p(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                     softcap: float | None = 30.0) -> int:
     """One token the naive way (bias, soft-cap and sort the whole vocabulary, mask, multinomial): the baseline."""
@@ -139,7 +121,7 @@ def full_sort_top_p(logits: torch.Tensor, params: SamplingParams, generator: tor
 
 
 def measure_sampling(repeats: int = 200) -> dict[str, float]:
-    from server.sampling import Sampler
+    from server.sampling.sampler import Sampler
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(VOCAB, generator=generator) * 3.0  # [V]
@@ -195,7 +177,7 @@ def measure_idle_floor(idle_s: float = 0.03, repeats: int = 100) -> dict[str, fl
 
 def _running_engine(host: Host, *, prefix_reuse: bool = True) -> Engine:
     """An engine on the host's null graph (as `serve --graph null` builds it), loaded and ready."""
-    from server.runtime import build_engine
+    from server.app.runtime import build_engine
 
     engine = build_engine(host, prefix_reuse=prefix_reuse)
     engine.start()
@@ -205,7 +187,7 @@ def _running_engine(host: Host, *, prefix_reuse: bool = True) -> Engine:
 
 def measure_engine(host: Host, tokens: int) -> dict[str, float]:
     """The engine alone (no HTTP): per-token gap between events, instant null graph, in this process."""
-    from server.generation import Delta, GenerationRequest, SamplingParams
+    from server.engine.types import Delta, GenerationRequest, SamplingParams
 
     engine = _running_engine(host)
     results: dict[str, float] = {}
@@ -228,7 +210,7 @@ def measure_engine(host: Host, tokens: int) -> dict[str, float]:
 
 def measure_prefix_reuse(host: Host) -> dict[str, float]:
     """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
-    from server.generation import Completion, GenerationRequest, SamplingParams
+    from server.engine.types import Completion, GenerationRequest, SamplingParams
 
     results: dict[str, float] = {}
     for reuse in (True, False):
@@ -384,11 +366,11 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
     root = bench_artifacts(cache_root)
     results: dict[str, float] = {"vocab": VOCAB, "hidden": HIDDEN, "max_total": MAX_TOTAL, "bucket": BUCKET,
                                  "threads": torch.get_num_threads()}
-    from server.runtime import load_host
+    from server.app.runtime import load_host
 
     host = load_host(root, "null", cache_dir=cache_root)  # once, for the in-process parts (each server loads its own)
     results.update(measure_sampling())
-    from server.constraint_bench import measure_constraints
+    from server.tools.bench.constraints import measure_constraints
 
     # Constrained decoding (response_format, forced tool calls): the mask's cost per token at V=262,144.
     results.update(measure_constraints(host.tokenizer, vocab_size=VOCAB, stop_ids=host.stop_token_ids, repeats=2))

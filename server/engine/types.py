@@ -49,7 +49,7 @@ class GenerationRequest:
     request_id: str = ""
     timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
     skip_special_tokens: bool = True
-    # What the output may be, as a vocabulary mask each step (server.constraints.Constraint; None = free text, zero
+    # What the output may be, as a vocabulary mask each step (server.constraints.constraint.Constraint; None = free text, zero
     # cost). Stateful: one per request, advanced by the engine with every token it accepts.
     constraint: TokenConstraint | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
@@ -57,7 +57,7 @@ class GenerationRequest:
 
 
 class TokenConstraint(Protocol):
-    """What the sampler and the engine need of a constraint (server.constraints.Constraint is one)."""
+    """What the sampler and the engine need of a constraint (server.constraints.constraint.Constraint is one)."""
 
     def fill_mask(self, bitmask: Any) -> None: ...
     def accept(self, token_id: int) -> bool: ...
@@ -190,13 +190,13 @@ class ModelInfo:
     vocab_size: int
     generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
     # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
-    # server.tokenizer.HostTokenizer's serving surface
+    # server.model.tokenizer.HostTokenizer's serving surface
     tokenizer: Any
     stop_token_ids: tuple[int, ...] = ()  # eos and the generation config's other stop ids
 
 
 class EngineAPI(Protocol):
-    """The engine's public surface, as `api/` uses it (server.engine.Engine is one)."""
+    """The engine's public surface, as `api/` uses it (server.engine.engine.Engine is one)."""
 
     @property
     def state(self) -> str: ...

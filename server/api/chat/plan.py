@@ -16,8 +16,8 @@ import anyio
 from jinja2 import TemplateError
 
 from server.api.schemas import ChatCompletionRequest, Message
+from server.engine.types import ModelInfo
 from server.errors import APIError
-from server.generation import ModelInfo
 from server.protocol import ChatProtocol, PromptInputs, ProtocolError, detect_protocol
 
 # A constrained request that arrives while the grammar vocabulary is still building (the first 15-60 s after start-up)
@@ -156,7 +156,7 @@ _LOADERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
 
 
 def _vocab_loader(model: ModelInfo) -> Any:
-    from server.constraints import GrammarVocab, VocabLoader  # llguidance: imported by the API side only
+    from server.constraints.constraint import GrammarVocab, VocabLoader  # llguidance: imported by the API side only
 
     key = (id(model.tokenizer), model.vocab_size, tuple(model.stop_token_ids))
     cached = _LOADERS.get(key)

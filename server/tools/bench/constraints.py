@@ -6,7 +6,7 @@ sample) and times, per token: `fill_mask` alone (the grammar engine), and fill +
 other processes taking the core). Also the one-time vocabulary build and the per-request compile. Goal (issue 12): under
 0.5 ms per token at p50. Requests without a constraint pay nothing: they never build one.
 
-Run alone: `python -m server.constraint_bench CFG_DIR` (a tokenizer directory: the demo's cfg/ has the real 262k
+Run alone: `python -m server.tools.bench.constraints CFG_DIR` (a tokenizer directory: the demo's cfg/ has the real 262k
 Gemma tokenizer; tests/gemma4_tokenizer.py builds a Gemma-4-format one, which adds the tool-call case).
 """
 
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from server.bench import percentile, report
-from server.constraint_mask import TokenMask
-from server.constraints import Constraint, GrammarVocab, build_constraint
-from server.generation import SamplingParams
+from server.constraints.constraint import Constraint, GrammarVocab, build_constraint
+from server.engine.types import SamplingParams
 from server.protocol.gemma4 import CALL_OPEN
-from server.sampling import Sampler
+from server.sampling.mask import TokenMask
+from server.sampling.sampler import Sampler
+from server.tools.bench.report import percentile, report
 
 PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -148,10 +148,10 @@ def _sampler_walk(build: Any, documents: Sequence[list[int]], logits: torch.Tens
 
 
 def main(argv: list[str]) -> int:
-    from server.tokenizer import HostTokenizer
+    from server.model.tokenizer import HostTokenizer
 
     if len(argv) != 1:
-        print("usage: python -m server.constraint_bench CFG_DIR  (a tokenizer directory, e.g. the demo's cfg/)")
+        print("usage: python -m server.tools.bench.constraints CFG_DIR  (a tokenizer directory, e.g. the demo's cfg/)")
         return 2
     cfg = Path(argv[0])
     tokenizer = HostTokenizer.from_dir(cfg)

@@ -23,9 +23,9 @@ from types import FrameType
 
 import uvicorn
 
+from server.app.process import collector_paused, release_freed_memory
 from server.config import Settings
 from server.errors import ArtifactError
-from server.process import collector_paused, release_freed_memory
 
 log = logging.getLogger("server.api")  # the server's one log voice, as before the move
 
@@ -85,7 +85,8 @@ def serve(settings: Settings, listener: socket.socket | None = None) -> int:
     listener = listener or listen(settings.host, settings.port)
     with collector_paused():  # the engine freezes start-up's objects out of the collector once the graph is in
         from server.api.app import create_app
-        from server.runtime import build_engine, load_host
+        from server.app.page import chat_page_html
+        from server.app.runtime import build_engine, load_host
 
         try:
             host = load_host(settings.artifacts, settings.graph, settings.served_model_name, settings.cache_dir)
@@ -95,7 +96,7 @@ def serve(settings: Settings, listener: socket.socket | None = None) -> int:
             return 1
         release_freed_memory()
         engine = build_engine(host, settings)
-        app = create_app(settings, engine, host.info)
+        app = create_app(settings, engine, host.info, page=chat_page_html())
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5, server_header=False)

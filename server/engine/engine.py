@@ -26,10 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from server.buckets import buckets_of, chunk_spans
-from server.detok import IncrementalDetokenizer, StopMatcher
-from server.embedding import HostEmbedding
-from server.generation import (
+from server.engine.buckets import buckets_of, chunk_spans
+from server.engine.types import (
     Delta,
     EngineNotReady,
     Finish,
@@ -39,7 +37,9 @@ from server.generation import (
     TokenLogprob,
 )
 from server.graphs.base import Graph
-from server.sampling import Sampler
+from server.model.detok import IncrementalDetokenizer, StopMatcher
+from server.model.embedding import HostEmbedding
+from server.sampling.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._load_graph = load_graph
-        self._on_loaded = on_loaded  # process-wide policy once the graph is in (see server.process)
+        self._on_loaded = on_loaded  # process-wide policy once the graph is in (see server.app.process)
         self.graph: Graph | None = None
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -456,7 +456,7 @@ class Engine:
 
     def _prefill(self, handle: RequestHandle, ids: list[int], start: int) -> tuple[torch.Tensor | None, int]:
         """ids[start:] in chunks the graph's buckets cover with the fewest calls, then the least padding (see
-        server.buckets): (the last position's logits [1, 1, V] or None if cancelled, calls)."""
+        server.engine.buckets): (the last position's logits [1, 1, V] or None if cancelled, calls)."""
         assert self.graph is not None
         logits: torch.Tensor | None = None
         calls = 0

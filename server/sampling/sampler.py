@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from server.generation import SamplingParams, TokenConstraint
+from server.engine.types import SamplingParams, TokenConstraint
 
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256
@@ -371,7 +371,7 @@ class Sampler:
         self._masked = torch.empty(vocab_size) if self._masks and self._adjusted is None else None  # (V,)
         self._token_mask: Any = None
         if constraint is not None:
-            from server.constraint_mask import TokenMask  # numpy/llguidance-side: only constrained requests load it
+            from server.sampling.mask import TokenMask  # numpy/llguidance-side: only constrained requests load it
 
             self._token_mask = TokenMask(vocab_size)
 

@@ -19,7 +19,7 @@ _EXPORT_VERSION = "v2"
 
 def demo_artifacts(cache_root: Path, *, prefill_bucket: int = 128, max_total: int = 1024) -> Path:
     """The exported artifact directory of the demo model under `cache_root`, built on first use."""
-    from server.export import export
+    from server.tools.export import export
 
     dest = cache_root / f"{DEMO_NAME}-{_EXPORT_VERSION}-b{prefill_bucket}-m{max_total}"
     if (dest / "graph.json").is_file():

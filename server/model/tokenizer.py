@@ -1,5 +1,5 @@
 """The host tokenizer without transformers: `tokenizer.json` through the `tokenizers` library, plus the parts of
-transformers' fast tokenizer the server uses (special tokens, decode clean-up; chat templates via server.chat_template).
+transformers' fast tokenizer the server uses (special tokens, decode clean-up; chat templates via server.model.chat_template).
 
 Why: importing transformers and building `PreTrainedTokenizerFast` cost ~2 s of start-up for a wrapper whose
 encode and decode are the Rust tokenizer's own. What transformers (5.x) adds on top, and which changes ids, text or
@@ -26,8 +26,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, processors
 
-from server.cache import AtomicFile
-from server.chat_template import render
+from server.model.cache import AtomicFile
+from server.model.chat_template import render
 
 log = logging.getLogger(__name__)
 
