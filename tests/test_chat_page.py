@@ -22,7 +22,6 @@ import httpx
 import pytest
 import uvicorn
 from playwright.sync_api import Browser, Page
-from server.api.ui import chat_page_html
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +29,7 @@ from starlette.routing import Route
 
 from server.__main__ import build_parser
 from server.api.page import chat_page
+from server.app.page import chat_page_html
 from server.app.runtime import build_engine
 from server.config import Settings
 from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader

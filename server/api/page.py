@@ -1,4 +1,4 @@
-"""`GET /`: the chat page, one static file (server/static/chat.html) served as it is.
+"""`GET /`: the chat page, one static file (server/app/static/chat.html) served as it is.
 
 Deliberate choices:
 - No API key: the page holds no secret; it asks for a key only when the API answers 401.
