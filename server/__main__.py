@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     add_options(bench, names=("cache_dir",))  # where the real-size table is cached
     bench.add_argument("--tokens", type=int, default=200, help="generated tokens per measured stream (default: 200)")
+    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints}",
+                                 help="one part alone (default: the host-overhead bench, which includes constraints)")
+    load = parts.add_parser("load", help="anonymous memory while a graph loads (v2 separate weights vs inside)")
+    load.add_argument("--artifacts", type=Path, required=True, help="the artifact directory to load")
+    load.add_argument("--graph", default="jit", help="graph kind to load (default: jit)")
+    load.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
+    masks = parts.add_parser("constraints", help="the constraint mask's cost per token on a tokenizer directory")
+    masks.add_argument("cfg", type=Path, metavar="CFG_DIR", help="a tokenizer directory, e.g. the demo's cfg/")
+    masks.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     return parser
 
 
@@ -103,6 +112,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _setup_logging("info")
         # No token passed: huggingface_hub reads HF_TOKEN (or its stored login) itself.
         return fetch(args.repo, args.dest, revision=args.revision, graph=args.graph)
+
+    if args.command == "bench" and args.bench_part is not None:
+        from server.tools.bench import constraints, load
+        from server.tools.bench.report import report
+
+        _setup_logging("warning")
+        if args.bench_part == "load":
+            report(load.measure_load_memory(args.artifacts, args.graph), args.json_path)
+            return 0
+        return constraints.run(args.cfg, args.json_path)
 
     try:
         settings = Settings.from_cli(args, environ)

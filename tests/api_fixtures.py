@@ -36,6 +36,7 @@ from server.config import Settings
 from server.engine.engine import Engine
 from server.graphs.base import Graph
 from tests.models import demo_dir
+from tests.support.wait import wait_until
 
 T = TypeVar("T")
 API_KEY = "sk-test-key"
@@ -123,10 +124,7 @@ class LiveServer:
 
     def start(self, wait_ready: bool = True) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started, "uvicorn to start", 60, alive=self.thread.is_alive)
         listener = self.server.servers[0]
         self.loop = listener.get_loop()
         self.url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
@@ -139,10 +137,7 @@ class LiveServer:
             self.engine.wait_ready(timeout)
             assert self.engine.state == state, f"engine in {self.engine.state}: {self.engine.state_reason}"
             return
-        deadline = time.monotonic() + timeout
-        while self.engine.state != state:
-            assert time.monotonic() < deadline, f"engine stuck in {self.engine.state}: {self.engine.state_reason}"
-            time.sleep(0.01)
+        wait_until(lambda: self.engine.state == state, f"the engine to reach {state!r}", timeout)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         """Run a coroutine on the server's event loop (e.g. the app's drain)."""

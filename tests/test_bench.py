@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from server.tools.bench.host import CONFIG_26B
 from tests.models import CACHE
+from tests.support.configs import GEMMA4_26B_A4B
 
 KEYS = {
     "host_overhead_ms_per_token_p50", "host_overhead_ms_per_token_p99",
@@ -45,3 +47,8 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert results["device_step_ms_measured"] >= results["device_step_ms_simulated"]
     # The real-size table is memory-mapped, not read: resident memory stays below the table's 1.48 GB.
     assert results["rss_mb_ready"] < 1400
+
+
+def test_bench_measures_at_the_published_26b_shapes() -> None:
+    """The bench's stand-in config is the published build's, as the tests record it (not taken from the bench)."""
+    assert {**CONFIG_26B, "_name_or_path": None} == {**GEMMA4_26B_A4B, "_name_or_path": None}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +33,7 @@ from server.app.runtime import build_engine
 from server.config import Settings
 from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader
 from tests.browser import launched_chromium
+from tests.support.wait import wait_until
 
 WAIT_MS = 120_000
 
@@ -59,10 +59,7 @@ def page(browser: Browser) -> Iterator[Page]:
 
 
 def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(condition, what, timeout)
 
 
 def record_answer_states(page: Page) -> None:

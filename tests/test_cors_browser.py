@@ -5,7 +5,6 @@ is configured (and the key, sent as a header, still checked); refused by the bro
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +19,7 @@ from starlette.routing import Route
 
 from tests.api_fixtures import API_KEY, free_port, live_server, settings
 from tests.browser import launched_chromium
+from tests.support.wait import wait_until
 
 # What a front-end on another origin does: a JSON POST with a bearer key (both make the browser send a preflight).
 CALL = """async ([url, key]) => {
@@ -48,10 +48,7 @@ def front_end() -> Iterator[str]:
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="front-end", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the front-end server did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started, "the front-end server to start", 30, alive=thread.is_alive)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

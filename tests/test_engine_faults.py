@@ -20,6 +20,7 @@ from server.engine.types import Finish, GenerationRequest, SamplingParams
 from server.graphs.base import Graph
 from server.graphs.null import NullGraph
 from tests.api_fixtures import SlowGraph, null_host, settings
+from tests.support.wait import until, wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -32,13 +33,6 @@ def null_graph() -> NullGraph:
 
 def greedy(prompt: tuple[int, ...], n: int, **fields: object) -> GenerationRequest:
     return GenerationRequest(prompt_ids=prompt, max_new_tokens=n, sampling=GREEDY, **fields)  # type: ignore[arg-type]
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait on the engine's state (checked every few ms), never on a guess of how long it takes."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 def started(load: Callable[[], Graph], **overrides: object) -> Engine:
@@ -172,10 +166,7 @@ def test_a_stalled_graph_call_fails_its_request_and_health_recovers() -> None:
         assert waited < 5, waited
         assert engine.state == "error" and "step timeout" in engine.state_reason
         release.set()  # the device comes back: the engine is healthy again and serves
-        deadline = time.monotonic() + 10
-        while engine.state != "ok" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.state == "ok"
+        wait_until(lambda: engine.state == "ok", "the engine to be healthy again", 10)
         _, finish = asyncio.run(collect(engine))
         assert finish.reason == "length"
     finally:

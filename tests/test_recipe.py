@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.tools.bench.host import CONFIG_26B
+from tests.support.configs import GEMMA4_26B_A4B
 
 
 def _load_helpers():
@@ -350,8 +350,7 @@ def test_cpu_model_pt_greedy_matches_transformers_generate(cpu_artifacts, hf_mod
 # Residency of the real 26B-A4B from its config
 # --------------------------------------------------------------------------------------------------------------------
 
-# The 26B-A4B config of the published build, as the benchmark uses it (one copy in the repo).
-GEMMA4_26B_A4B = CONFIG_26B
+# The 26B-A4B config of the published build: the tests' own record of it (tests/support/configs.py).
 
 
 @pytest.mark.parametrize(

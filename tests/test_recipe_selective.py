@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.tools.bench.host import CONFIG_26B
+from tests.support.configs import GEMMA4_26B_A4B
 from tests.test_recipe import BUCKET, DRIVE, HIDDEN, MAX, H, prompt_of, recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -253,7 +253,7 @@ def test_int8_attention_greedy_matches_unquantized_on_an_int8_grid(tmp_path, hf_
 
 def _roofline(tmp_path, capsys, *flags: str) -> tuple[dict, str]:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(CONFIG_26B))
+    config.write_text(json.dumps(GEMMA4_26B_A4B))
     assert recipe.main(["--roofline", "--config", str(config), "--json", *flags]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     return json.loads(lines[-1]), "\n".join(lines[:-1])

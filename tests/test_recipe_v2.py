@@ -226,9 +226,9 @@ def test_missing_rank_weights_are_named(artifacts: Path, tmp_path: Path) -> None
 def test_loading_separate_weights_adds_no_anonymous_memory(artifacts: Path, tmp_path: Path) -> None:
     """Peak RssAnon while the graph loads (and takes one step) stays within 10% of the host's own baseline, although
     the weights (~70 MB here, a sixth of that baseline) would push it past that if they were read into memory.
-    python -m server.tools.bench.load measures it the same way on a model whose weights are a few GB (README)."""
+    python -m server bench load measures it the same way on a model whose weights are a few GB (README)."""
     out = tmp_path / "load.json"
-    done = subprocess.run([sys.executable, "-m", "server.tools.bench.load", "--artifacts", str(artifacts), "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "server", "bench", "load", "--artifacts", str(artifacts), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())

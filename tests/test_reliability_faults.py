@@ -26,6 +26,7 @@ import pytest
 from server.app.runtime import build_engine, graph_loader
 from server.graphs.base import Graph
 from tests.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
+from tests.support.wait import wait_until
 
 HI = [{"role": "user", "content": "Hi"}]
 STEP_TIMEOUT_S = 0.8
@@ -215,10 +216,7 @@ def test_a_stalled_graph_call_fails_its_request_in_time_and_health_recovers_when
     assert graph.stalled.wait(10)
     # a request that is already waiting when the device gets stuck
     queued = post("queued", "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "temperature": 0})
-    deadline = time.monotonic() + 5
-    while live.engine.queue_depth < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: live.engine.queue_depth >= 1, "the request to be queued", 5)
     assert live.engine.state == "ok", "the queued request must be admitted before the watchdog fires"
     stalled.join(10)
     r = results["stalled"]

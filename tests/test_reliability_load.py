@@ -35,6 +35,7 @@ import pytest
 
 from server.app.runtime import build_engine
 from tests.api_fixtures import LiveServer, null_host, settings, slow_loader
+from tests.support.wait import wait_until
 
 STEP_S = 0.003
 MAX_QUEUE = 16
@@ -195,10 +196,7 @@ def settle(live: LiveServer, timeout: float = 10.0) -> None:
     def busy() -> tuple[int, ...]:
         return engine.admitted, engine.queue_depth, engine.running, len(engine.in_flight()), len(connections)
 
-    deadline = time.monotonic() + timeout
-    while any(busy()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert busy() == (0, 0, 0, 0, 0)
+    wait_until(lambda: busy() == (0, 0, 0, 0, 0), "the engine and the connections to be idle", timeout)
 
 
 def server_tasks(live: LiveServer) -> Counter[str]:
@@ -261,10 +259,7 @@ def test_64_streaming_clients_against_a_queue_of_16_lose_nothing_and_leak_nothin
     assert reasons["length"] + reasons["stop"] >= tally.completed
 
     # Nothing leaked: threads, server-loop tasks (after a short settle), memory
-    deadline = time.monotonic() + 5
-    while server_tasks(live) != tasks_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server_tasks(live) == tasks_before
+    wait_until(lambda: server_tasks(live) == tasks_before, "the server loop's tasks to settle", 5)
     threads_after, pool_after = threads()
     assert threads_after == threads_before, (threads_before, threads_after)
     async def pool_limit() -> float:

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from server.model.structure import ModelStructure
-from server.tools.bench.host import CONFIG_26B
+from tests.support.configs import GEMMA4_26B_A4B
 
 
 def cfg_dir(root: Path, **overrides: object) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({**CONFIG_26B, **overrides}))
+    (root / "config.json").write_text(json.dumps({**GEMMA4_26B_A4B, **overrides}))
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106], "top_k": 64, "top_p": 0.95}))
     return root
 

@@ -6,7 +6,7 @@ sample) and times, per token: `fill_mask` alone (the grammar engine), and fill +
 other processes taking the core). Also the one-time vocabulary build and the per-request compile. Goal (issue 12): under
 0.5 ms per token at p50. Requests without a constraint pay nothing: they never build one.
 
-Run alone: `python -m server.tools.bench.constraints CFG_DIR` (a tokenizer directory: the demo's cfg/ has the real 262k
+Run alone: `python -m server bench constraints CFG_DIR` (a tokenizer directory: the demo's cfg/ has the real 262k
 Gemma tokenizer; tests/gemma4_tokenizer.py builds a Gemma-4-format one, which adds the tool-call case).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,13 +146,10 @@ def _sampler_walk(build: Any, documents: Sequence[list[int]], logits: torch.Tens
     return plain_ms, constrained_ms
 
 
-def main(argv: list[str]) -> int:
+def run(cfg: Path, json_path: Path | None = None) -> int:
+    """`python -m server bench constraints CFG_DIR`: the mask's cost on that directory's tokenizer."""
     from server.model.tokenizer import HostTokenizer
 
-    if len(argv) != 1:
-        print("usage: python -m server.tools.bench.constraints CFG_DIR  (a tokenizer directory, e.g. the demo's cfg/)")
-        return 2
-    cfg = Path(argv[0])
     tokenizer = HostTokenizer.from_dir(cfg)
     generation = cfg / "generation_config.json"
     stops = None
@@ -161,10 +157,5 @@ def main(argv: list[str]) -> int:
         eos = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
         stops = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else None
     torch.set_num_threads(1)  # as the server's sampler runs
-    report(measure_constraints(tokenizer, stop_ids=stops))
+    report(measure_constraints(tokenizer, stop_ids=stops), json_path)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-

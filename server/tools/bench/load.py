@@ -1,6 +1,6 @@
 """Host memory while a graph loads: peak anonymous RSS (`RssAnon`) against the server's own baseline.
 
-    python -m server.tools.bench.load --artifacts DIR [--graph jit] [--json PATH]
+    python -m server bench load --artifacts DIR [--graph jit] [--json PATH]
 
 Baseline: RssAnon once the host side is up (tokenizer, structure, memory-mapped table), before the graph. Peak:
 the highest RssAnon a separate sampler process sees (every 2 ms, from /proc, so a load that holds the GIL cannot
@@ -13,7 +13,6 @@ which the kernel can drop, not anonymous memory, which on a 16 GB host needs RAM
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -76,19 +75,3 @@ def measure_load_memory(root: Path, graph: str = "jit") -> dict[str, float]:
         "rss_anon_after_first_step_mb": after / 1024,
         "load_s": load_s,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server.tools.bench.load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifacts", type=Path, required=True)
-    parser.add_argument("--graph", default="jit")
-    parser.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args(argv)
-    from server.tools.bench.report import report
-
-    report(measure_load_memory(args.artifacts, args.graph), args.json_path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
