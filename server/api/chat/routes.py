@@ -20,7 +20,6 @@ Deliberate choices:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
@@ -30,10 +29,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.chat.plan import GRAMMAR_RETRY_AFTER_S, GRAMMAR_WAIT_S, Prompts, grammar_spec, invalid
+from server.api.http import parse, read_body
 from server.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +42,6 @@ from server.api.schemas import (
     Message,
     SamplingFields,
     TokenizeRequest,
-    parse,
 )
 from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
@@ -67,33 +66,6 @@ _LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf
 
 def _lp(value: float) -> float:
     return value if math.isfinite(value) and value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413), and a body
-    that takes longer than `timeout_s` to arrive (408)."""
-    too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
-                         code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise APIError(400, "Invalid Content-Length header.", code="invalid_request")
-        if int(declared) > limit:
-            raise too_large
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise too_large
-    except TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s.", code="request_timeout",
-                       headers={"Connection": "close"}) from None
-    except ClientDisconnect:  # gone before the body was complete: nobody to answer, and not a server error
-        raise APIError(499, "The client closed the connection before the request body was complete.",
-                       code="client_closed_request") from None
-    return bytes(body)
 
 
 # ----------------------------------------------------------------------------------------------------------

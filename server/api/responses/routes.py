@@ -40,9 +40,10 @@ from pydantic import Field, TypeAdapter, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.chat.routes import ChatPlan, OpenAIRoutes, read_body
+from server.api.chat.routes import ChatPlan, OpenAIRoutes
+from server.api.http import BodyPart, RequestBody, parse, read_body
 from server.api.responses.store import ResponseStore
-from server.api.schemas import ChatCompletionRequest, _Body, _Request, joined_text_parts, parse
+from server.api.schemas import ChatCompletionRequest, joined_text_parts
 from server.api.service import ClientGone
 from server.api.sse import GenerationStream, frame
 from server.engine.types import Delta, Finish, RequestHandle
@@ -75,7 +76,7 @@ def _texts(value: Any, allowed: tuple[str, ...]) -> str:
     return joined_text_parts(value, allowed)
 
 
-class _Item(_Body):
+class _Item(BodyPart):
     id: str | None = Field(default=None, max_length=256)  # kept as sent (e.g. this server's output items sent back)
 
 
@@ -108,7 +109,7 @@ class FunctionCallOutputItem(_Item):
         return _texts(value, ("input_text",))
 
 
-class ReasoningText(_Body):
+class ReasoningText(BodyPart):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
@@ -137,7 +138,7 @@ InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | 
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
-class FunctionTool(_Body):
+class FunctionTool(BodyPart):
     type: Literal["function"]
     name: str = Field(min_length=1)
     description: str | None = None
@@ -148,12 +149,12 @@ class FunctionTool(_Body):
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
-class FunctionChoice(_Body):
+class FunctionChoice(BodyPart):
     type: Literal["function"]
     name: str = Field(min_length=1)
 
 
-class TextFormat(_Body):
+class TextFormat(BodyPart):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -174,12 +175,12 @@ class TextFormat(_Body):
         return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 
-class TextConfig(_Body):
+class TextConfig(BodyPart):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models; it changes nothing here
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(BodyPart):
     effort: str | None = None  # checked by the protocol (REASONING_EFFORTS)
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of `summary`
@@ -189,7 +190,7 @@ class ReasoningConfig(_Body):
         return self.summary or self.generate_summary
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestBody):
     refused_hints = REFUSED
 
     model: str | None = None
