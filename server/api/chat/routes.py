@@ -21,8 +21,8 @@ Deliberate choices:
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.chat.formats import ChatFormat, CompletionFormat, Envelope, Format, usage
 from server.api.chat.plan import GRAMMAR_RETRY_AFTER_S, GRAMMAR_WAIT_S, Prompts, grammar_spec, invalid
+from server.api.chat.planner import ChatPlan
 from server.api.http import parse, read_body
 from server.api.schemas import (
     ChatCompletionRequest,
@@ -52,22 +53,7 @@ from server.engine.types import (
     TokenConstraint,
 )
 from server.errors import APIError
-from server.protocol import OutputParser, PromptInputs
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    """A chat request checked, rendered and compiled: what each of its choices submits, and how its output parses.
-    The one path from a chat-shaped request to the engine (chat completions, and the Responses API through it)."""
-
-    model: str
-    ids: list[int]
-    inputs: PromptInputs
-    sampling: SamplingParams
-    constraints: list[TokenConstraint | None]  # one per choice: a constraint is stateful
-    new_parser: Callable[[], OutputParser]
-    keep_special_tokens: bool
-
+from server.protocol import PromptInputs
 
 # ----------------------------------------------------------------------------------------------------------
 # Routes
@@ -131,6 +117,13 @@ class OpenAIRoutes:
                     constraint=constraints[index] if constraints else None, **fields))
         return self.service.submit(requests)
 
+    def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
+                    request_id: str) -> list[RequestHandle]:
+        """`ChatPlanner.submit_plan`: chat completions and the Responses API submit a plan here, and only here."""
+        return self.submit([plan.ids], body.token_limit, param, n, sampling=plan.sampling, constraints=plan.constraints,
+                           stop=body.stop, request_id=request_id, skip_special_tokens=not plan.keep_special_tokens,
+                           **self._eos_fields(body))
+
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
         if stream:
@@ -182,9 +175,7 @@ class OpenAIRoutes:
         self.check_choices(n)
         plan = await self.plan_chat(body, n)
         envelope = Envelope(f"chatcmpl-{request.state.completion_id}", plan.model)
-        handles = self.submit([plan.ids], body.token_limit, "messages", n, sampling=plan.sampling,
-                              constraints=plan.constraints, stop=body.stop, request_id=envelope.id,
-                              skip_special_tokens=not plan.keep_special_tokens, **self._eos_fields(body))
+        handles = self.submit_plan(plan, body, n, param="messages", request_id=envelope.id)
         fmts = [ChatFormat(self.prompts, envelope, i, plan.sampling.logprobs, plan.new_parser()) for i in range(n)]
         return await self._respond(request, handles, fmts, n, bool(body.stream), body.include_usage)
 

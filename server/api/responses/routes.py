@@ -40,11 +40,11 @@ from pydantic import Field, TypeAdapter, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.chat.routes import ChatPlan, OpenAIRoutes
+from server.api.chat.planner import ChatPlan, ChatPlanner
 from server.api.http import BodyPart, RequestBody, parse, read_body
 from server.api.responses.store import ResponseStore
 from server.api.schemas import ChatCompletionRequest, joined_text_parts
-from server.api.service import ClientGone
+from server.api.service import ClientGone, Service
 from server.api.sse import GenerationStream, frame
 from server.engine.types import Delta, Finish, RequestHandle
 from server.errors import APIError
@@ -562,10 +562,10 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 
 class ResponsesRoutes:
-    def __init__(self, chat: OpenAIRoutes, store: ResponseStore) -> None:
+    def __init__(self, service: Service, chat: ChatPlanner, store: ResponseStore) -> None:
+        self.service = service
+        self.settings = service.settings
         self.chat = chat
-        self.service = chat.service
-        self.settings = chat.settings
         self.store = store
 
     # ------------------------------------------------------------------ POST /v1/responses
@@ -590,9 +590,7 @@ class ResponsesRoutes:
             raise in_responses_terms(exc) from None
         response_id = f"resp_{request.state.completion_id}"
         try:
-            (handle,) = self.chat.submit([plan.ids], chat_body.token_limit, "input", 1, sampling=plan.sampling,
-                                         constraints=plan.constraints, request_id=response_id,
-                                         skip_special_tokens=not plan.keep_special_tokens)
+            (handle,) = self.chat.submit_plan(plan, chat_body, 1, param="input", request_id=response_id)
         except APIError as exc:
             raise in_responses_terms(exc) from None
         shell = response_shell(response_id, body, plan)
