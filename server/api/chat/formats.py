@@ -1,8 +1,5 @@
-"""The response formats of the chat route family: one choice's stream chunks and its entry in the body, built from
-engine events, as OpenAI's chat (`ChatFormat`) and legacy completions (`CompletionFormat`) shape them, and `usage`.
-
-The routes only drive a format (opening, a chunk per delta, the final chunks, or one choice); every JSON shape of
-these responses, logprobs included, is here.
+"""The response JSON of chat (`ChatFormat`) and legacy completions (`CompletionFormat`): one choice's stream chunks or
+its entry in the body, built from engine events, logprobs included, and `usage`. The routes only drive a format.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The chat plan: what a chat-shaped request becomes before it reaches the engine, and the interface that makes it.
-
-`ChatPlanner.plan_chat` checks a `ChatCompletionRequest` and renders it (prompt ids through the model's protocol and
-template, sampling, output constraints, the output parser); `submit_plan` turns the plan into GenerationRequests.
-The chat routes implement it; every API that is a translation onto the chat path (the Responses API) takes it as
-this protocol, so it depends on these two names, not on the chat routes.
+"""The chat plan (`ChatPlan`: prompt ids, sampling, constraints, output parser) and `ChatPlanner`, which makes one from
+a `ChatCompletionRequest` and submits it as GenerationRequests. The chat routes implement it; an API translated onto
+the chat path (the Responses API) takes it as this protocol, so it depends on these names, not on the chat routes.
 """
 
 from __future__ import annotations
@@ -32,13 +29,7 @@ class ChatPlan:
 
 
 class ChatPlanner(Protocol):
-    async def plan_chat(self, body: ChatCompletionRequest, n: int = 1) -> ChatPlan:
-        """Checks, the prompt through the model's protocol and template, and the output constraints (one per choice);
-        a mistake is an APIError naming the chat field."""
-        ...
+    async def plan_chat(self, body: ChatCompletionRequest, n: int = 1) -> ChatPlan: ...  # mistakes: 400s naming chat fields
 
     def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
-                    request_id: str) -> list[RequestHandle]:
-        """The plan's `n` choices submitted together, with the body's token limit, stop strings and eos fields; a
-        prompt the context cannot hold is a 400 naming `param`."""
-        ...
+                    request_id: str) -> list[RequestHandle]: ...  # n choices together; too long a prompt: a 400 on `param`

@@ -1,10 +1,9 @@
-"""The response object of `/v1/responses` as it is built: `OutputBuilder` turns the plan's parsed output into output
-items (`reasoning`, `message`, `function_call`) and the typed stream events that build them; `response_shell` and
-`finished` are the object before and after its output; `listed_item` is an input item as `input_items` lists it.
+"""The response object of `/v1/responses` as it is built: output items and their typed events (`OutputBuilder`), the
+object before and after its output (`response_shell`, `finished`), an input item as listed (`listed_item`).
 
 Deliberate choices (do not "fix" these without reading why):
-- One builder turns the parser's deltas into output items *and* the stream events that build them; a non-streamed
-  response is the same builder fed the same engine deltas, so the two cannot differ.
+- One builder makes the output items *and* the stream events that build them; a non-streamed response is the same
+  builder fed the same engine deltas, so the two cannot differ.
 - The thought channel is a `reasoning` item whose `content` holds the thought's text (`reasoning_text` parts, as
   OpenAI's open-weight models return it). There is no summarizer (a second generation at ~6 tok/s would double the
   wait), so when `reasoning.summary` is asked for, the item's `summary` is the thought itself, verbatim, as one

@@ -1,10 +1,6 @@
-"""The body of `POST /v1/responses` as pydantic models: `ResponsesRequest`, its input items (`InputItem`), function
-tools, tool choice, text format and reasoning settings, on the bases every request body shares (`server.api.http`).
-
-Deliberate choices (do not "fix" these without reading why):
-- A field OpenAI has and this server cannot honour (`conversation`, hosted tools, `truncation: "auto"`, background
-  responses, `include`, encrypted reasoning) is a 400 naming it (`REFUSED`, the validators), never silently dropped.
-- Text parts are joined as chat content parts are; any other part is refused (a text-only model).
+"""The body of `POST /v1/responses` as pydantic models: `ResponsesRequest`, its input items (`InputItem`), tools and
+settings, on the shared bases (`server.api.http`). What OpenAI has and this server cannot honour (`conversation`,
+hosted tools, `truncation: "auto"`, background responses, `include`) is a 400 naming it, never silently dropped.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """A Responses request as a `ChatCompletionRequest` (`chat_request`): its conversation as chat messages, its tools,
-tool_choice, text format and reasoning effort as the chat fields; and a chat-path error back in Responses terms.
-
-Deliberate choices (do not "fix" these without reading why):
-- Errors from the chat planning name the Responses fields (`text.format`, `reasoning.effort`, `input`,
-  `max_output_tokens`), not the chat fields they were translated into (`in_responses_terms`).
-- A reasoning item's text becomes the next assistant turn's `reasoning_content`; the template decides whether to
-  render it.
+tool_choice, text format and reasoning effort as the chat fields. A chat-path error is given back naming the Responses
+field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the chat field (`in_responses_terms`).
 """
 
 from __future__ import annotations
