@@ -1,7 +1,7 @@
 """Property-based fuzzing of the request bodies: arbitrary JSON values under the real field names (and raw bytes)
 never give a 500.
 
-In-process against `schemas.parse` (every failure is an `APIError` 400, and what passes is what the routes rely
+In-process against `http.parse` (every failure is an `APIError` 400, and what passes is what the routes rely
 on), then through the whole app on a live server (status < 500, OpenAI's error JSON, streams end with
 `[DONE]` and no in-band error). Derandomized and bounded: the same ~3,000 examples every run, ~20 s.
 """
@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from server.api.http import parse
 from server.api.schemas import (
     MAX_STOPS,
     ChatCompletionRequest,
@@ -25,7 +26,6 @@ from server.api.schemas import (
     DetokenizeRequest,
     GenerateRequest,
     TokenizeRequest,
-    parse,
 )
 from server.errors import APIError
 from tests.api_fixtures import LiveServer, live_server, settings

@@ -156,7 +156,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
     metrics = Metrics(engine)
     service, prompts = Service(settings, engine, metrics), Prompts(model)
     api = OpenAIRoutes(service, prompts)
-    responses = ResponsesRoutes(api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
+    responses = ResponsesRoutes(service, api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
 
     async def health(request: Request) -> Response:
         state = engine.state

@@ -1,11 +1,7 @@
-"""Request bodies of the HTTP routes as pydantic models, and `parse()`, which maps every failure to one 400.
+"""Request bodies of the chat-shaped routes (chat and legacy completions, /generate, tokenize) as pydantic models;
+`ChatCompletionRequest` is also what the Responses API translates into. Their bases and `parse` are `server.api.http`'s.
 
 Deliberate choices (do not "fix" these without reading why):
-- No silent drops: a top-level field that would change the output is implemented or refused with a 400 naming it.
-  Only the fields in `IGNORED_FIELDS` (they change nothing in the output: bookkeeping, caching, tracing hints) are
-  accepted and ignored; any other unknown field is a 400 (`suffix`, `functions`, `audio`, ...). Inside messages,
-  tools and schemas unknown keys are passed through to the template and the grammar compiler, which decide.
-- NaN and +-inf are rejected everywhere (`allow_inf_nan=False`), by the JSON parser as well as the fields.
 - Range checks sit on the fields, so pydantic names the field and `parse` turns that into OpenAI's `param`.
 - Shapes that OpenAI lets vary (`stop`, `prompt`, message `content`) are normalised by "before" validators into
   one type, so a wrong value gives one clear message instead of a union's error for every member.
@@ -15,67 +11,18 @@ Deliberate choices (do not "fix" these without reading why):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.errors import APIError
+from server.api.http import BodyPart, RequestBody
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOPS = 4
 MAX_TOKEN_ID_DIGITS = 18  # any vocabulary is smaller; int() of a longer key is never needed
 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-
-
-# Request fields that do not change the output: accepted and ignored (README "Thinking, tools and JSON" lists them).
-IGNORED_FIELDS = frozenset({
-    "user", "metadata", "store", "service_tier", "prediction", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention", "parallel_tool_calls_hint", "modalities", "verbosity",
-})
-REFUSED_HINTS = {
-    "suffix": "Gemma has no fill-in-the-middle format",
-    "functions": "use `tools` (the legacy `functions` field is not supported)",
-    "function_call": "use `tool_choice` (the legacy `function_call` field is not supported)",
-}
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
-
-
-class _Request(_Body):
-    """A top-level request body: unknown fields are refused unless they are in IGNORED_FIELDS."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
-    refused_hints: ClassVar[Mapping[str, str]] = REFUSED_HINTS  # a route's own reasons for the fields it refuses
-
-    @model_validator(mode="after")
-    def _no_silent_drops(self) -> _Request:
-        for name, value in (self.model_extra or {}).items():
-            if name in IGNORED_FIELDS:
-                if not _finite(value):  # the JSON parser reads Infinity/NaN into untyped fields: refused everywhere
-                    raise PydanticCustomError("finite_number", "{name}: NaN and infinity are not valid JSON numbers",
-                                              {"name": name, "param": name})
-                continue
-            why = self.refused_hints.get(name, "this server does not support it, and ignoring it could change the "
-                                         "output")
-            raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
-                                      {"name": name[:64], "why": why, "param": name[:64]})
-        return self
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_finite(v) for v in value)
-    return True
 
 
 def joined_text_parts(parts: list[Any], allowed: tuple[str, ...]) -> str:
@@ -94,22 +41,22 @@ def joined_text_parts(parts: list[Any], allowed: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
-class StreamOptions(_Body):
+class StreamOptions(BodyPart):
     include_usage: bool | None = False
 
 
-class FunctionCall(_Body):
+class FunctionCall(BodyPart):
     name: str
     arguments: str | dict[str, Any] = "{}"  # a JSON string on the wire; an object is accepted too
 
 
-class ToolCall(_Body):
+class ToolCall(BodyPart):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(BodyPart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None  # text parts are joined with "\n" (as vLLM does); anything else is a 400
     name: str | None = None
@@ -143,7 +90,7 @@ class Message(_Body):
         return joined_text_parts(value, ("text",)) if isinstance(value, list) else value
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestBody):
     """The fields shared by chat and legacy completions."""
 
     model: str | None = None
@@ -216,7 +163,7 @@ class SamplingFields(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(BodyPart):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
@@ -230,7 +177,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class Tool(_Body):
+class Tool(BodyPart):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
     type: Literal["function"]
     function: dict[str, Any]
@@ -287,14 +234,14 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(RequestBody):
     """The seed server's route: chat-templated, greedy."""
 
     prompt: str
     max_new_tokens: int = Field(128, ge=1)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
@@ -302,43 +249,6 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool | None = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
-
-
-Body = TypeVar("Body", bound=BaseModel)
-
-
-def _param(loc: tuple[int | str, ...]) -> str | None:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or None
-
-
-def parse(model: type[Body], raw: bytes) -> Body:
-    """Validate a raw JSON body; any problem (bad UTF-8, bad JSON, bad field) is an APIError 400."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        if error["type"] == "json_invalid":
-            raise APIError(400, f"The body is not valid JSON: {error['msg']}", code="invalid_json") from None
-        if error["type"] == "model_type" and not error["loc"]:
-            raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
-        ctx = error.get("ctx") or {}
-        loc = tuple(error["loc"])
-        if "param" in ctx:
-            loc = (*loc, ctx["param"])
-        elif "loc" in ctx:
-            loc = (*loc, ctx["loc"])
-        param = _param(loc)
-        message = error["msg"].removeprefix("Value error, ")
-        if "loc" in ctx or "param" in ctx:  # the message already names the field; prefix the path that leads to it
-            prefix = _param(tuple(error["loc"]))
-            message = f"{prefix}.{message}" if prefix else message
-            raise APIError(400, message, param=param, code="invalid_value") from None
-        raise APIError(400, f"{param}: {message}" if param else message, param=param,
-                       code="invalid_value") from None

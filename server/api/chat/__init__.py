@@ -1,2 +1,2 @@
-"""The chat route family: a request planned into prompt ids + generation requests (`plan`), and the routes of
-/v1/chat/completions, /v1/completions, /generate, models and tokenize (`routes`). Torch-free."""
+"""The chat route family: the model as routes see it (`plan.Prompts`), the chat plan (`planner`), OpenAI's response
+formats (`formats`) and the routes (`routes`). Must not import torch, the engine's internals, nor `server.api.responses`."""

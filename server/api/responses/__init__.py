@@ -1,2 +1,3 @@
-"""The Responses API (/v1/responses): a translation onto the chat plan, its typed event stream and the bounded
-store behind previous_response_id. Torch-free; must not reach into the chat routes' private parts."""
+"""The Responses API (/v1/responses): its body (`schemas`), the translation onto the chat plan (`translate`), its output
+items and typed events (`builder`), the bounded store and the routes. Must not import torch; of `server.api.chat`, only
+`planner`."""

@@ -1,0 +1,191 @@
+"""The response JSON of chat (`ChatFormat`) and legacy completions (`CompletionFormat`): one choice's stream chunks or
+its entry in the body, built from engine events, logprobs included, and `usage`. The routes only drive a format.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.api.chat.plan import Prompts
+from server.engine.types import Delta, Finish, TokenLogprob
+from server.protocol import Delta as ParsedDelta
+from server.protocol import OutputParser, ToolCallDelta, collect
+from server.protocol.base import PlainParser
+
+_LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) and value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every object of one response shares: its id, model and creation time."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:
+    """OpenAI's usage over a request's choices, `n` per prompt: each prompt counted once, every completion."""
+    prompt = sum(finish.prompt_tokens for finish in finishes[::n])
+    completion = sum(finish.completion_tokens for finish in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Format:
+    """Builds one choice's parts of the response (its stream chunks, its entry in the body) from engine events.
+
+    Each format adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
+    final_chunks(reason); choice(text, deltas, finish) -> its entry in the non-stream body's `choices`."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool) -> None:
+        self.prompts = prompts
+        self.envelope = envelope
+        self.index = index
+        self.logprobs = logprobs
+
+
+class ChatFormat(_Format):
+    """Chat responses: the generated text goes through the protocol's parser, which splits it into content, the
+    thought channel (`reasoning_content`) and tool calls (`tool_calls`, finish_reason "tool_calls")."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool,
+                 parser: OutputParser | None = None) -> None:
+        super().__init__(prompts, envelope, index, logprobs)
+        self.parser = parser or PlainParser()
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.prompts.token_info(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": raw}
+
+    def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for d in deltas:
+            if d.logprob is not None:
+                entry = self._entry(d.logprob.token_id, d.logprob.logprob)
+                entry["top_logprobs"] = [self._entry(t, lp) for t, lp in d.logprob.top]
+                content.append(entry)
+        return {"content": content}
+
+    def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return self.envelope.wrap(self.chunk_object_name, [choice])
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+
+    @staticmethod
+    def _delta_fields(parsed: ParsedDelta) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if parsed.reasoning:
+            fields["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            fields["content"] = parsed.content
+        if parsed.tool_calls:
+            fields["tool_calls"] = [_tool_call(call, index=True) for call in parsed.tool_calls]
+        return fields
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        fields = self._delta_fields(self.parser.feed(delta.text)) if delta.text else {}
+        if fields or (self.logprobs and delta.logprob is not None):
+            return self._chunk(fields or {"content": ""}, self._logprobs([delta]), None)
+        return None
+
+    def final_chunks(self, reason: str) -> list[dict[str, Any]]:
+        end = self.parser.finish()
+        fields = self._delta_fields(end.delta)
+        chunks = [self._chunk(fields, None, None)] if fields else []
+        return [*chunks, self._chunk({}, None, _reason(reason, end.called_tools))]
+
+    def choice(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
+        parsed = collect(self.parser, text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
+            message["content"] = parsed.content or None
+        return {"index": self.index, "message": message, "logprobs": self._logprobs(deltas),
+                "finish_reason": _reason(finish.reason, parsed.called_tools)}
+
+
+def _reason(engine_reason: str, called_tools: bool) -> str:
+    """A stop after complete calls is "tool_calls"; a cut ("length") stays what it is."""
+    return "tool_calls" if called_tools and engine_reason == "stop" else engine_reason
+
+
+def _tool_call(call: ToolCallDelta, index: bool = False) -> dict[str, Any]:
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **entry} if index else entry
+
+
+class CompletionFormat(_Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool, echo: str = "") -> None:
+        super().__init__(prompts, envelope, index, logprobs)
+        self.echo = echo
+        self.offset = len(echo)  # text_offset of the next token
+
+    def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
+        """OpenAI's legacy shape; the chosen token is always among top_logprobs (as vLLM does)."""
+        if not self.logprobs:
+            return None
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        tops: list[dict[str, float]] = []
+        offsets: list[int] = []
+        for d in deltas:
+            lp: TokenLogprob | None = d.logprob
+            if lp is None:
+                continue
+            text = self.prompts.token_info(lp.token_id)[0]
+            tokens.append(text)
+            token_logprobs.append(_lp(lp.logprob))
+            top = {self.prompts.token_info(t)[0]: _lp(v) for t, v in lp.top}
+            top.setdefault(text, _lp(lp.logprob))
+            tops.append(top)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chunk(self, text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return self.envelope.wrap(self.chunk_object_name,
+                                  [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk(self.echo, None, None)] if self.echo else []
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        if delta.text or (self.logprobs and delta.logprob is not None):
+            return self._chunk(delta.text, self._logprobs([delta]), None)
+        return None
+
+    def final_chunks(self, reason: str) -> list[dict[str, Any]]:
+        return [self._chunk("", None, reason)]
+
+    def choice(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
+        return {"index": self.index, "text": self.echo + text, "logprobs": self._logprobs(deltas),
+                "finish_reason": finish.reason}
+
+
+Format = ChatFormat | CompletionFormat

@@ -1,0 +1,35 @@
+"""The chat plan (`ChatPlan`: prompt ids, sampling, constraints, output parser) and `ChatPlanner`, which makes one from
+a `ChatCompletionRequest` and submits it as GenerationRequests. The chat routes implement it; an API translated onto
+the chat path (the Responses API) takes it as this protocol, so it depends on these names, not on the chat routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from server.api.schemas import ChatCompletionRequest
+from server.engine.types import RequestHandle, SamplingParams, TokenConstraint
+from server.protocol import OutputParser, PromptInputs
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request checked, rendered and compiled: what each of its choices submits, and how its output parses.
+    The one path from a chat-shaped request to the engine (chat completions, and the Responses API through it)."""
+
+    model: str
+    ids: list[int]
+    inputs: PromptInputs
+    sampling: SamplingParams
+    constraints: list[TokenConstraint | None]  # one per choice: a constraint is stateful
+    new_parser: Callable[[], OutputParser]
+    keep_special_tokens: bool
+
+
+class ChatPlanner(Protocol):
+    async def plan_chat(self, body: ChatCompletionRequest, n: int = 1) -> ChatPlan: ...  # mistakes: 400s naming chat fields
+
+    def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
+                    request_id: str) -> list[RequestHandle]: ...  # n choices together; too long a prompt: a 400 on `param`

@@ -1,0 +1,135 @@
+"""The HTTP edge both route families share: a request body read within its bounds (`read_body`), the pydantic bases
+of every body (`BodyPart`, `RequestBody`) and `parse`, which maps every failure to one 400.
+
+Deliberate choices (do not "fix" these without reading why):
+- No silent drops: a top-level field that would change the output is implemented or refused with a 400 naming it.
+  Only the fields in `IGNORED_FIELDS` (they change nothing in the output: bookkeeping, caching, tracing hints) are
+  accepted and ignored; any other unknown field is a 400 (`suffix`, `functions`, `audio`, ...). Inside messages,
+  tools and schemas unknown keys are passed through to the template and the grammar compiler, which decide.
+- NaN and +-inf are rejected everywhere (`allow_inf_nan=False`), by the JSON parser as well as the fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+from starlette.requests import ClientDisconnect, Request
+
+from server.errors import APIError
+
+# Request fields that do not change the output: accepted and ignored (README "Thinking, tools and JSON" lists them).
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "prediction", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "parallel_tool_calls_hint", "modalities", "verbosity",
+})
+REFUSED_HINTS = {
+    "suffix": "Gemma has no fill-in-the-middle format",
+    "functions": "use `tools` (the legacy `functions` field is not supported)",
+    "function_call": "use `tool_choice` (the legacy `function_call` field is not supported)",
+}
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413), and a body
+    that takes longer than `timeout_s` to arrive (408)."""
+    too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise APIError(400, "Invalid Content-Length header.", code="invalid_request")
+        if int(declared) > limit:
+            raise too_large
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s.", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # gone before the body was complete: nobody to answer, and not a server error
+        raise APIError(499, "The client closed the connection before the request body was complete.",
+                       code="client_closed_request") from None
+    return bytes(body)
+
+
+class BodyPart(BaseModel):
+    """An object inside a request body (a message, a tool, an item): unknown keys ignored, frozen, finite numbers."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class RequestBody(BodyPart):
+    """A top-level request body: unknown fields are refused unless they are in IGNORED_FIELDS."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+    refused_hints: ClassVar[Mapping[str, str]] = REFUSED_HINTS  # a route's own reasons for the fields it refuses
+
+    @model_validator(mode="after")
+    def _no_silent_drops(self) -> RequestBody:
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED_FIELDS:
+                if not _finite(value):  # the JSON parser reads Infinity/NaN into untyped fields: refused everywhere
+                    raise PydanticCustomError("finite_number", "{name}: NaN and infinity are not valid JSON numbers",
+                                              {"name": name, "param": name})
+                continue
+            why = self.refused_hints.get(name, "this server does not support it, and ignoring it could change the "
+                                         "output")
+            raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
+                                      {"name": name[:64], "why": why, "param": name[:64]})
+        return self
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or None
+
+
+def parse(model: type[Body], raw: bytes) -> Body:
+    """Validate a raw JSON body; any problem (bad UTF-8, bad JSON, bad field) is an APIError 400."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        if error["type"] == "json_invalid":
+            raise APIError(400, f"The body is not valid JSON: {error['msg']}", code="invalid_json") from None
+        if error["type"] == "model_type" and not error["loc"]:
+            raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
+        ctx = error.get("ctx") or {}
+        loc = tuple(error["loc"])
+        if "param" in ctx:
+            loc = (*loc, ctx["param"])
+        elif "loc" in ctx:
+            loc = (*loc, ctx["loc"])
+        param = _param(loc)
+        message = error["msg"].removeprefix("Value error, ")
+        if "loc" in ctx or "param" in ctx:  # the message already names the field; prefix the path that leads to it
+            prefix = _param(tuple(error["loc"]))
+            message = f"{prefix}.{message}" if prefix else message
+            raise APIError(400, message, param=param, code="invalid_value") from None
+        raise APIError(400, f"{param}: {message}" if param else message, param=param,
+                       code="invalid_value") from None

@@ -1,0 +1,236 @@
+"""The body of `POST /v1/responses` as pydantic models: `ResponsesRequest`, its input items (`InputItem`), tools and
+settings, on the shared bases (`server.api.http`). What OpenAI has and this server cannot honour (`conversation`,
+hosted tools, `truncation: "auto"`, background responses, `include`) is a 400 naming it, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter, field_validator, model_validator
+
+from server.api.http import BodyPart, RequestBody
+from server.api.schemas import joined_text_parts
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys up to 64 characters, values up to 512
+REFUSED = {
+    "conversation": "the Conversations API is not served; continue a conversation with previous_response_id",
+    "prompt": "stored prompt templates are not supported; send instructions and input",
+    "top_logprobs": "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
+    "max_tool_calls": "not supported: tool calls are the client's to run, one response at a time",
+    "stream_options": "not supported",
+}
+
+
+def _texts(value: Any, allowed: tuple[str, ...]) -> str:
+    """A string, or text parts joined as chat content parts are; any other part is refused."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"must be a string or a list of {' / '.join(allowed)} parts")
+    return joined_text_parts(value, allowed)
+
+
+class _Item(BodyPart):
+    id: str | None = Field(default=None, max_length=256)  # kept as sent (e.g. this server's output items sent back)
+
+
+class MessageItem(_Item):
+    type: Literal["message"]
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return _texts(value, ("input_text", "output_text"))
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object's text, parsed (and refused if it is not one) by the protocol
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return _texts(value, ("input_text",))
+
+
+class ReasoningText(BodyPart):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] = []
+    encrypted_content: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _ours(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("this server issues no encrypted reasoning and cannot read another's; send the "
+                             "reasoning item as this server returned it (its text in content)")
+        return value
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or ()) or "\n".join(part.text for part in self.summary)
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])  # a conversation (stored dicts) back as items
+
+
+class FunctionTool(BodyPart):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
+
+
+class FunctionChoice(BodyPart):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextFormat(BodyPart):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema format needs its 'schema' object")
+        return self
+
+    def chat(self) -> dict[str, Any]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        spec = {"name": self.name or "response", "schema": self.json_schema, "strict": self.strict,
+                "description": self.description}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+
+class TextConfig(BodyPart):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models; it changes nothing here
+
+
+class ReasoningConfig(BodyPart):
+    effort: str | None = None  # checked by the protocol (REASONING_EFFORTS)
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of `summary`
+
+    @property
+    def asked_summary(self) -> str | None:
+        return self.summary or self.generate_summary
+
+
+class ResponsesRequest(RequestBody):
+    refused_hints = REFUSED
+
+    model: str | None = None
+    input: list[InputItem] = []
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "message", "role": "user", "content": value}]
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of items")
+        items = []
+        for i, item in enumerate(value):
+            if isinstance(item, dict):
+                kind = item.get("type", "message" if "role" in item else None)
+                if kind not in ITEM_TYPES:
+                    raise ValueError(f"item {i} has type {kind!r}; supported: {', '.join(ITEM_TYPES)}")
+                item = {**item, "type": kind}
+            items.append(item)
+        return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tool {i} has type {kind!r}: only function tools are supported (this server runs "
+                                 "no hosted tools)")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}, got type "
+                             f"{value.get('type')!r}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and (len(value) > MAX_METADATA or any(len(k) > 64 or len(v) > 512
+                                                                   for k, v in value.items())):
+            raise ValueError(f"at most {MAX_METADATA} pairs, keys up to 64 characters, values up to 512")
+        return value
+
+    @field_validator("truncation")
+    @classmethod
+    def _truncation(cls, value: str | None) -> str | None:
+        if value == "auto":
+            raise ValueError("'auto' is not supported: nothing is dropped from a conversation; one longer than the "
+                             "context is a 400 (context_length_exceeded)")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("background responses are not supported")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError(f"nothing can be included ({', '.join(value)[:200]}): reasoning text is always in the "
+                             "reasoning item's content; there is no encrypted reasoning and no logprobs")
+        return value

@@ -1,0 +1,101 @@
+"""A Responses request as a `ChatCompletionRequest` (`chat_request`): its conversation as chat messages, its tools,
+tool_choice, text format and reasoning effort as the chat fields. A chat-path error is given back naming the Responses
+field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the chat field (`in_responses_terms`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from server.api.http import parse
+from server.api.responses.schemas import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    InputItem,
+    ReasoningItem,
+    ResponsesRequest,
+)
+from server.api.schemas import ChatCompletionRequest
+from server.errors import APIError
+
+
+def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[dict[str, Any]]:
+    """The conversation as OpenAI chat messages: function calls join the assistant turn they follow, a reasoning item's
+    text becomes the next assistant turn's `reasoning_content` (the template decides whether to render it), function
+    call outputs become tool messages."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions is not None else []
+    thought = ""
+    for item in items:
+        if isinstance(item, ReasoningItem):
+            thought += item.text
+            continue
+        last = messages[-1] if messages else None
+        if isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if last is not None and last["role"] == "assistant":  # the same assistant turn
+                last.setdefault("tool_calls", []).append(call)
+                if thought:
+                    last["reasoning_content"] = last.get("reasoning_content", "") + thought
+                    thought = ""
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        elif isinstance(item, FunctionCallOutputItem):
+            message = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+        else:
+            message = {"role": item.role, "content": item.content}
+        if message["role"] == "assistant" and thought:
+            message["reasoning_content"] = thought
+        thought = ""  # a thought no assistant turn follows has nothing to go with
+        messages.append(message)
+    return messages
+
+
+def chat_request(body: ResponsesRequest, items: Sequence[InputItem]) -> ChatCompletionRequest:
+    choice = body.tool_choice
+    fields = {
+        "model": body.model,
+        "messages": chat_messages(body.instructions, items),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": [tool.chat() for tool in body.tools] if body.tools else None,
+        "tool_choice": {"type": "function", "function": {"name": choice.name}} if isinstance(choice, FunctionChoice)
+        else choice,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": body.text.format.chat() if body.text and body.text.format else None,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
+    }
+    raw = json.dumps({key: value for key, value in fields.items() if value is not None}).encode()
+    try:
+        return parse(ChatCompletionRequest, raw)
+    except APIError as exc:
+        raise in_responses_terms(exc) from None
+
+
+_RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("reasoning_effort", "reasoning.effort"), ("max_completion_tokens", "max_output_tokens"),
+            ("chat_template_kwargs", "reasoning"))
+_TOOL_FUNCTION = re.compile(r"^(tools\[\d+\])\.function\b")
+
+
+def _renamed(param: str) -> str:
+    if param == "messages" or param.startswith(("messages.", "messages[")):
+        return "input"  # message indices are not item indices (instructions, merged calls)
+    for old, new in _RENAMED:
+        if param == old or param.startswith((old + ".", old + "[")):
+            return new + param[len(old):]
+    return _TOOL_FUNCTION.sub(r"\1", param)
+
+
+def in_responses_terms(exc: APIError) -> APIError:
+    """A chat-path error naming the Responses field it came from."""
+    if not exc.param:
+        return exc
+    param = _renamed(exc.param)
+    message = param + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+    return APIError(exc.status, message, param=param, code=exc.code, type=exc.type, headers=exc.headers)
