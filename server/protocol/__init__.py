@@ -11,8 +11,8 @@ from collections.abc import Container, Iterable
 
 from server.protocol.base import (
     ChatProtocol,
-    Delta,
     OutputParser,
+    ParsedDelta,
     ParsedMessage,
     ParseEnd,
     PlainProtocol,
@@ -23,7 +23,7 @@ from server.protocol.base import (
 )
 from server.protocol.gemma4 import Gemma4Protocol, is_gemma4
 
-__all__ = ["ChatProtocol", "Delta", "Gemma4Protocol", "OutputParser", "ParseEnd", "ParsedMessage", "PlainProtocol",
+__all__ = ["ChatProtocol", "Gemma4Protocol", "OutputParser", "ParseEnd", "ParsedDelta", "ParsedMessage", "PlainProtocol",
            "PromptInputs", "ProtocolError", "ToolCallDelta", "collect", "detect_protocol"]
 
 

@@ -39,8 +39,8 @@ from typing import Any
 
 from server.protocol.base import (
     ChatProtocol,
-    Delta,
     OutputParser,
+    ParsedDelta,
     ParseEnd,
     PromptInputs,
     ProtocolError,
@@ -275,7 +275,7 @@ class Gemma4Parser(OutputParser):
         self._reasoning: list[str] = []
         self._out_calls: list[ToolCallDelta] = []
 
-    def feed(self, text: str) -> Delta:
+    def feed(self, text: str) -> ParsedDelta:
         self._buf += text
         self._drain(final=False)
         return self._delta()
@@ -286,8 +286,8 @@ class Gemma4Parser(OutputParser):
 
     # ------------------------------------------------------------- internals
 
-    def _delta(self) -> Delta:
-        delta = Delta("".join(self._content), "".join(self._reasoning), tuple(self._out_calls))
+    def _delta(self) -> ParsedDelta:
+        delta = ParsedDelta("".join(self._content), "".join(self._reasoning), tuple(self._out_calls))
         self._content, self._reasoning, self._out_calls = [], [], []
         return delta
 

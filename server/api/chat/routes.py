@@ -56,8 +56,7 @@ from server.engine.types import (
     TokenLogprob,
 )
 from server.errors import APIError
-from server.protocol import Delta as ParsedDelta
-from server.protocol import OutputParser, PromptInputs, ToolCallDelta, collect
+from server.protocol import OutputParser, ParsedDelta, PromptInputs, ToolCallDelta, collect
 from server.protocol.base import PlainParser
 
 log = logging.getLogger("server.api")

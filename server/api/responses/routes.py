@@ -47,8 +47,7 @@ from server.api.service import ClientGone
 from server.api.sse import GenerationStream, frame
 from server.engine.types import Delta, Finish, RequestHandle
 from server.errors import APIError
-from server.protocol import Delta as ParsedDelta
-from server.protocol import OutputParser, ToolCallDelta
+from server.protocol import OutputParser, ParsedDelta, ToolCallDelta
 
 log = logging.getLogger("server.api")
 
