@@ -20,13 +20,6 @@ from server.model.embedding import HostEmbedding
 from server.model.structure import ModelStructure
 from server.model.tokenizer import HostTokenizer
 
-# What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
-NULL_GRAPH_WORDS = (
-    " a the of and to in is that for it with as was on be by at this are from or have an they which one you were"
-    " her all she there would their we him been has when who will more no if out so said what up its about into"
-    " than them can only other new some could time these two may then do first any my now such like our over"
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Host:
@@ -95,7 +88,7 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
 
             return HFGraph(host.artifacts.hf, spec, device=device)
         if kind == "null":
-            from server.graphs.null import NullGraph
+            from server.graphs.null import NULL_GRAPH_WORDS, NullGraph
 
             # Greedy repeats " a"; sampling draws among ordinary words, so every sampled token is a visible chunk.
             words = list(dict.fromkeys(host.tokenizer.encode(NULL_GRAPH_WORDS, add_special_tokens=False)))
