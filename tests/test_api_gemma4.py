@@ -93,7 +93,7 @@ def server(host: Host, graph: ScriptedGraph) -> Iterator[LiveServer]:
     config = settings(served_model_name=MODEL)
     engine = build_engine(host, config, load=lambda: graph, prefix_reuse=False)
     with live_server(config, engine, host) as live:
-        live.app.state.prompts.grammar.wait(600)  # the grammar vocabulary: once per module (13-60 s)
+        live.app.state.grammar.wait(600)  # the grammar vocabulary: once per module (13-60 s)
         yield live
 
 

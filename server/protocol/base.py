@@ -4,6 +4,8 @@ A protocol has two sides:
 - request: `prompt_inputs(messages, tools=..., chat_template_kwargs=..., reasoning_effort=...)` turns OpenAI chat
   messages (plain dicts, None-valued keys allowed) into what the model's chat template takes, or raises
   `ProtocolError` (the API's 400, naming the offending field in `param`);
+- constraints: `calls` (the tool-call format as the constraint planner needs it: markers and call grammar) and
+  `stop_tokens` (what ends its turns besides eos), both empty for the plain protocol;
 - response: `parser(...)` returns a streaming `OutputParser`: `feed(text) -> ParsedDelta` with text decoded from the
   generated ids *as the protocol needs it* (`keep_special_tokens`), then `finish() -> ParseEnd`.
 
@@ -16,9 +18,12 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from server.constraints.constraint import CallFormat
 
 # OpenAI's reasoning_effort values; "none" turns thinking off, every other one on (Gemma-4 has no effort levels).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -111,6 +116,13 @@ class ChatProtocol(ABC):
     supports_tools: bool
     # The detokenizer must decode with skip_special_tokens=False for this protocol's parser (its markers are specials).
     keep_special_tokens: bool
+    # Stop tokens besides eos, by text (the host resolves them to ids): where the format ends a turn or waits.
+    stop_tokens: tuple[str, ...] = ()
+
+    @property
+    def calls(self) -> CallFormat | None:
+        """The format's tool calls as the constraint planner needs them; None: no native tool-call format."""
+        return None
 
     @abstractmethod
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,

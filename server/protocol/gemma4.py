@@ -35,7 +35,7 @@ import math
 import re
 import uuid
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.protocol.base import (
     ChatProtocol,
@@ -48,6 +48,9 @@ from server.protocol.base import (
     openai_messages,
     thinking_from,
 )
+
+if TYPE_CHECKING:
+    from server.constraints.constraint import CallFormat
 
 TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -86,10 +89,18 @@ class Gemma4Protocol(ChatProtocol):
     name = "gemma4"
     supports_tools = True
     keep_special_tokens = True
+    stop_tokens = STOP_TOKENS
 
     def __init__(self, special_tokens: Collection[str] = ()) -> None:
         """`special_tokens`: the tokenizer's special-token texts, removed from content as skip_special_tokens would."""
         self.special_tokens = frozenset(special_tokens) | frozenset(MARKERS) | {"<bos>", "<eos>", "<pad>"}
+
+    @property
+    def calls(self) -> CallFormat:
+        # Imported here: the grammar module is built on this module's markers (and it needs numpy; parsing does not).
+        from server.protocol.gemma4_grammar import GEMMA4_CALLS
+
+        return GEMMA4_CALLS
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                       chat_template_kwargs: Mapping[str, Any] | None = None,

@@ -589,7 +589,7 @@ class ResponsesRoutes:
         response_id = f"resp_{request.state.completion_id}"
         try:
             (handle,) = self.chat.submit([plan.ids], chat_body.token_limit, "input", 1, sampling=plan.sampling,
-                                         constraints=plan.constraints, request_id=response_id,
+                                         constraint=plan.constraint, request_id=response_id,
                                          skip_special_tokens=not plan.keep_special_tokens)
         except APIError as exc:
             raise in_responses_terms(exc) from None
