@@ -13,6 +13,9 @@ into objects, `role: "tool"` messages given the called function's `name` (found 
 parsed when it is a JSON object (the template renders objects natively), `enable_thinking` from
 `chat_template_kwargs` / `reasoning_effort` ("none" = off; default off).
 
+Constraint side: `Gemma4Protocol.calls` is the call grammar (gemma4_grammar.py) and `stop_tokens` are `<turn|>` and
+`<|tool_response>`.
+
 Response side (`Gemma4Parser`): fed the text decoded *with* special tokens, in chunks split anywhere. Deliberate
 choices (tests/test_protocol_gemma4.py pins each):
 - A tool call is held until it is complete and then emitted once, whole (index, id, name, the full JSON arguments):
