@@ -1,7 +1,8 @@
 """The one exception type of the server, and how it maps to OpenAI's error JSON.
 
-Everything a client can cause raises `APIError`; one handler in `api/` turns it into
-`{"error": {"message", "type", "param", "code"}}` with the right status. Internal invariants use `assert`.
+Everything a client can cause raises `APIError` (or `InvalidRequest` below the API, which maps it to a 400); one
+handler in `api/` turns it into `{"error": {"message", "type", "param", "code"}}` with the right status. Internal
+invariants use `assert`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ class APIError(Exception):
 
     def to_json(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(ValueError):
+    """A request that a layer below the API cannot honour (the chat protocol, the output constraints): the API
+    answers 400 with `message`, naming the offending field in `param`. Shared so that those layers need not know
+    each other, nor HTTP."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 class ArtifactError(Exception):

@@ -25,9 +25,10 @@ from pydantic import BaseModel, Field
 
 from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.graphs.base import Graph
+from server.protocol import Gemma4Protocol, PlainProtocol
 from server.tools.export import export
-from tests.api_fixtures import LiveServer, WrappedGraph, live_server, settings
-from tests.gemma4_tokenizer import gemma4_cfg_dir
+from tests.api_fixtures import LiveServer, WrappedGraph, live_server, null_host, settings
+from tests.gemma4_tokenizer import GEMMA4_TOKENS, gemma4_cfg_dir
 from tests.models import tiny_gemma4_checkpoint
 
 MODEL = "gemma4-tiny"
@@ -93,7 +94,7 @@ def server(host: Host, graph: ScriptedGraph) -> Iterator[LiveServer]:
     config = settings(served_model_name=MODEL)
     engine = build_engine(host, config, load=lambda: graph, prefix_reuse=False)
     with live_server(config, engine, host) as live:
-        live.app.state.prompts.grammar.wait(600)  # the grammar vocabulary: once per module (13-60 s)
+        live.app.state.grammar.wait(600)  # the grammar vocabulary: once per module (13-60 s)
         yield live
 
 
@@ -176,6 +177,18 @@ CASES = {
                                       None, "", [], "stop"),
     "calls ignored without tools": (CALL_UTC + "<turn|>", {}, None, "", [], "stop"),
 }
+
+
+def test_the_protocol_is_detected_once_with_the_host(server: LiveServer, host: Host) -> None:
+    """load_host asks the tokenizer once; the stop ids, the API and the constraint planner are handed that answer."""
+    assert isinstance(host.protocol, Gemma4Protocol) and host.info.protocol is host.protocol
+    assert server.app.state.prompts.protocol is host.protocol
+    assert host.stop_token_ids == tuple(dict.fromkeys((*host.structure.eos_token_ids, GEMMA4_TOKENS["<turn|>"],
+                                                       GEMMA4_TOKENS["<|tool_response>"])))
+    assert server.app.state.grammar is host.grammar  # the one the engine builds its matchers with
+    plain = null_host()  # the Gemma-3 demo: no native tool format, no stops beyond its own eos
+    assert isinstance(plain.protocol, PlainProtocol) and plain.protocol.calls is None
+    assert plain.stop_token_ids == tuple(dict.fromkeys(plain.structure.eos_token_ids))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -26,8 +26,8 @@ def real() -> Iterator[LiveServer]:
     host = hf_host()
     config = settings(graph="hf", lazy_grammar=False)  # the default: the grammar vocabulary starts with the server
     with live_server(config, build_engine(host, config), host) as live:
-        assert live.app.state.prompts.grammar.started  # before any request asked for it
-        live.app.state.prompts.grammar.wait(600)  # the grammar vocabulary (structured output), built once, up front
+        assert live.app.state.grammar.started  # before any request asked for it
+        live.app.state.grammar.wait(600)  # the grammar vocabulary (structured output), built once, up front
         yield live
 
 

@@ -13,18 +13,24 @@ import pytest
 import torch
 
 from server.constraints.constraint import (
+    BannedIds,
     BannedTokens,
+    CallFormat,
+    Constraint,
     ConstraintError,
-    ConstraintLimits,
+    Grammar,
     GrammarConstraint,
-    GrammarVocab,
+    StopAfter,
     StopAfterCall,
     allowed_ids,
-    build_constraint,
+    build_matcher,
 )
+from server.constraints.planner import plan_constraint
+from server.constraints.vocab import ConstraintLimits, GrammarVocab
 from server.model.tokenizer import HostTokenizer
 from server.protocol import collect
 from server.protocol.gemma4 import Gemma4Protocol
+from server.protocol.gemma4_grammar import GEMMA4_CALLS
 from server.sampling.mask import TokenMask, apply_bitmask_
 from tests.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir
 
@@ -80,6 +86,13 @@ def closers(tokenizer: HostTokenizer) -> list[int]:
     texts = ['"', '",', '"}', "}", "]", ",", "}}", '"]']
     ids = {tokenizer.encode(text, add_special_tokens=False)[0] for text in texts}
     return sorted(ids | {GEMMA4_TOKENS['<|"|>'], CALL_CLOSE, CHANNEL_CLOSE, *STOP_IDS})
+
+
+def build_constraint(vocab: GrammarVocab, calls: CallFormat | None = GEMMA4_CALLS, **request) -> Constraint | None:
+    """What a run sees: the request's constraint planned (as the API does), then a matcher built from it (as the engine
+    does)."""
+    spec = plan_constraint(vocab, calls, **request)
+    return None if spec is None else build_matcher(vocab, spec)
 
 
 def walk(constraint, rng: random.Random, closers: list[int], *, prefix: tuple[int, ...] = (),
@@ -222,6 +235,19 @@ def test_no_constraint_costs_nothing(vocab) -> None:
     assert build_constraint(vocab, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=True) is None
 
 
+def test_a_planned_constraint_is_a_value_each_run_gets_its_own_matcher(vocab, tokenizer, closers) -> None:
+    """The request carries the spec; a run builds a matcher from it, so the same request can run again from scratch
+    (after a cache reset, as another choice) and ends the same way."""
+    spec = plan_constraint(vocab, GEMMA4_CALLS, tools=[CLOCK], tool_choice="required", parallel_tool_calls=False)
+    assert isinstance(spec, Grammar) and hash(spec) == hash(Grammar(spec.lark))
+    first, second = build_matcher(vocab, spec), build_matcher(vocab, spec)
+    ids = walk(first, random.Random(3), closers)
+    assert first.is_finished and not second.is_finished  # the first run's state is its own
+    assert walk(second, random.Random(3), closers) == ids
+    assert plan_constraint(vocab, GEMMA4_CALLS, tools=[WEATHER], tool_choice="none") == BannedIds((CALL_OPEN,))
+    assert plan_constraint(vocab, GEMMA4_CALLS, tools=[WEATHER], parallel_tool_calls=False) == StopAfter(CALL_CLOSE)
+
+
 # --------------------------------------------------------------------- what cannot be enforced is a clear error
 
 
@@ -256,7 +282,7 @@ def test_what_cannot_be_enforced_is_a_constraint_error(vocab, kwargs, needle) ->
 
 def test_tools_on_a_model_without_a_native_format_are_refused(vocab) -> None:
     with pytest.raises(ConstraintError):
-        build_constraint(vocab, tools=[WEATHER], tool_choice="required", native_tools=False)
+        build_constraint(vocab, None, tools=[WEATHER], tool_choice="required")
 
 
 def test_local_refs_and_any_of_are_inlined(vocab, tokenizer, closers) -> None:
@@ -271,13 +297,12 @@ def test_local_refs_and_any_of_are_inlined(vocab, tokenizer, closers) -> None:
 
 
 def test_limits_bound_depth(tokenizer) -> None:
-    small = GrammarVocab.__new__(GrammarVocab)  # only the limits and markers matter to the converter
+    small = GrammarVocab.__new__(GrammarVocab)  # only the limits and the token lookup matter to the converter
     small.limits = ConstraintLimits(max_depth=2)
-    small.markers = {text: GEMMA4_TOKENS[text] for text in ("<|tool_call>", "<tool_call|>", "<|channel>",
-                                                            "<channel|>", '<|"|>')}
+    small._lookup = GEMMA4_TOKENS.get
     deep = {"type": "object", "properties": {"a": {"type": "object", "properties": {
         "b": {"type": "object", "properties": {"c": {"type": "string"}}}}}}}
-    from server.constraints.constraint import tool_call_grammar
+    from server.protocol.gemma4_grammar import tool_call_grammar
 
     with pytest.raises(ConstraintError, match="deeper"):
         tool_call_grammar(small, [{"type": "function", "function": {"name": "f", "parameters": deep}}], None)
@@ -322,4 +347,15 @@ def test_building_constraints_imports_no_torch() -> None:
     import sys
 
     code = "import sys, server.constraints.constraint; assert 'torch' not in sys.modules, 'torch loaded'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_constraints_know_no_model_family() -> None:
+    """server/constraints sits below the chat protocols: the markers and call grammar come through `CallFormat`."""
+    import subprocess
+    import sys
+
+    code = ("import sys, server.constraints.constraint, server.constraints.planner, server.constraints.json_schema, "
+            "server.constraints.vocab; loaded = [m for m in sys.modules if m.startswith('server.protocol')]; "
+            "assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,6 +18,7 @@ import torch
 
 from server.app.runtime import Host, build_engine, load_host
 from server.config import Settings
+from server.constraints.constraint import StopAfter
 from server.engine.engine import Engine
 from server.engine.types import Completion, Finish, GenerationRequest, QueueFull, SamplingParams
 from server.graphs.base import Graph
@@ -195,6 +196,24 @@ def test_seeded_sampling_is_reproducible(tiny_engine: Engine) -> None:
     other, _, _ = run(tiny_engine, prompt_of(20), 10, sampling=replace(params, seed=99))
     assert first == again
     assert first != other
+
+
+def test_a_constrained_request_is_a_value_the_engine_runs_again(tiny_engine: Engine, tiny_host: Host) -> None:
+    """The request carries what is allowed; the engine builds a fresh matcher for every run (with the host's grammar
+    vocabulary, as build_engine wires it), so the same request gives the same answer again: a matcher kept from the
+    first run would allow only a stop from the start."""
+    free, _, _ = run(tiny_engine, prompt_of(9), 6, sampling=GREEDY)
+    assert tiny_host.grammar.wait(600) is not None  # the API waits for it before admitting a constrained request
+    closing = free[1]
+    request = GenerationRequest(prompt_ids=tuple(prompt_of(9)), max_new_tokens=6, sampling=GREEDY,
+                                constraint=StopAfter(closing))
+
+    async def go() -> Completion:
+        return await tiny_engine.submit(request).result()
+
+    first, again = asyncio.run(go()), asyncio.run(go())
+    assert first.token_ids == free[:free.index(closing) + 1] and first.finish.reason == "stop"
+    assert again.token_ids == first.token_ids and again.finish.reason == "stop"
 
 
 def test_gemma3_270m_knows_the_capital_of_france() -> None:

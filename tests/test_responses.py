@@ -94,7 +94,7 @@ def live(host: Host, graph: TurnScriptedGraph) -> Iterator[tuple[LiveServer, Pro
     engine = build_engine(host, config, load=lambda: graph)
     prompts = Prompts(engine)
     with live_server(config, engine, host) as server:
-        server.app.state.prompts.grammar.wait(600)  # the grammar vocabulary: once per module
+        server.app.state.grammar.wait(600)  # the grammar vocabulary: once per module
         yield server, prompts
 
 

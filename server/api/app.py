@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.chat.constraints import GrammarSource, OutputConstraints
 from server.api.chat.plan import Prompts
 from server.api.chat.routes import OpenAIRoutes
 from server.api.metrics import Metrics, MetricsMiddleware
@@ -151,11 +152,15 @@ def _cors(settings: Settings) -> dict[str, object] | None:
             "max_age": 600}
 
 
-def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page: bytes | None = None) -> Starlette:
-    """`page`: the chat page's HTML served at `/` (server.app.page reads it; None or `--no-ui`: no page)."""
+def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, grammar: GrammarSource | None = None,
+               page: bytes | None = None) -> Starlette:
+    """`grammar`: the host's grammar vocabulary (server.app.runtime.Host.grammar, the one the engine builds matchers
+    with; None: constrained output answers 500). `page`: the chat page's HTML served at `/` (server.app.page reads it;
+    None or `--no-ui`: no page)."""
     metrics = Metrics(engine)
     service, prompts = Service(settings, engine, metrics), Prompts(model)
-    api = OpenAIRoutes(service, prompts)
+    constraints = OutputConstraints(model.protocol, grammar)
+    api = OpenAIRoutes(service, prompts, constraints)
     responses = ResponsesRoutes(service, api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
 
     async def health(request: Request) -> Response:
@@ -191,7 +196,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()  # loads the graph on the device thread; /health says "loading" meanwhile
         if not settings.lazy_grammar:
-            prompts.start_background_work()  # the grammar vocabulary, alongside the graph load (see README)
+            constraints.start()  # the grammar vocabulary, alongside the graph load (see README)
         try:
             yield
         finally:
@@ -205,6 +210,6 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
         lifespan=lifespan,
     )
     app.state.drain = service.drain
-    app.state.service, app.state.prompts = service, prompts
+    app.state.service, app.state.prompts, app.state.grammar = service, prompts, grammar
     app.state.response_store = responses.store
     return app

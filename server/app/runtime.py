@@ -1,4 +1,5 @@
-"""Assembles the host side from an artifact directory: structure, tokenizer, embedding table, graph loader.
+"""Assembles the host side from an artifact directory: structure, tokenizer, embedding table, graph loader, and what
+follows from the tokenizer (the chat protocol, detected once; the stop ids; the grammar vocabulary's loader).
 
 Everything here is fast (meta-device structure, mmapped table) except the graph itself, which the engine
 loads on its own thread so HTTP can answer `/health` with `loading` meanwhile, like llama.cpp's server.
@@ -6,12 +7,14 @@ loads on its own thread so HTTP can answer `/health` with `loading` meanwhile, l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from server.app.process import freeze_heap, single_threaded_torch
 from server.config import Settings
+from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
 from server.engine.types import ModelInfo
 from server.graphs.base import DTYPES, Graph
@@ -19,13 +22,7 @@ from server.model.artifacts import ArtifactDir, GraphSpec, validate
 from server.model.embedding import HostEmbedding
 from server.model.structure import ModelStructure
 from server.model.tokenizer import HostTokenizer
-
-# What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
-NULL_GRAPH_WORDS = (
-    " a the of and to in is that for it with as was on be by at this are from or have an they which one you were"
-    " her all she there would their we him been has when who will more no if out so said what up its about into"
-    " than them can only other new some could time these two may then do first any my now such like our over"
-)
+from server.protocol import ChatProtocol, protocol_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +34,12 @@ class Host:
     tokenizer: HostTokenizer
     embedding: HostEmbedding
     model_name: str
+    protocol: ChatProtocol  # the model family's chat format, detected once from the tokenizer
+    stop_token_ids: tuple[int, ...]  # eos, the generation config's stops and the protocol's (`stop_ids`)
+    # The grammar vocabulary (built on first use, or at start-up unless --lazy-grammar): the API waits for it before it
+    # admits a constrained request, the engine builds each run's matcher with it. One per host, so apps and engines
+    # built again around this host share its build.
+    grammar: VocabLoader
 
     @property
     def max_total(self) -> int:
@@ -47,19 +50,18 @@ class Host:
         """What the HTTP layer is told about the model."""
         return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
                          generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer,
-                         stop_token_ids=self.stop_token_ids)
+                         stop_token_ids=self.stop_token_ids, protocol=self.protocol)
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """eos and the generation config's stops, plus the stops of the model's chat protocol (Gemma-4: `<turn|>` and
-        `<|tool_response>`, where the model waits for a tool's result), whatever generation_config.json lists."""
-        from server.protocol.gemma4 import STOP_TOKENS, is_gemma4
 
-        ids = list(self.structure.eos_token_ids)
-        vocab = self.tokenizer.get_vocab()
-        if is_gemma4(vocab):
-            ids += [vocab[text] for text in STOP_TOKENS]
-        return tuple(dict.fromkeys(ids))
+def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:
+    """eos and the generation config's stops, plus the stops of the model's chat protocol (Gemma-4: `<turn|>` and
+    `<|tool_response>`, where the model waits for a tool's result), whatever generation_config.json lists."""
+    ids = list(structure.eos_token_ids)
+    for text in protocol.stop_tokens:
+        token = tokenizer.backend_tokenizer.token_to_id(text)
+        assert token is not None, f"the protocol was detected by its markers, {text} among them"
+        ids.append(token)
+    return tuple(dict.fromkeys(ids))
 
 
 def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None,
@@ -73,7 +75,11 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     embed_file = art.embed_file
     assert embed_file is not None  # validate() checked
     embedding = HostEmbedding.open(embed_file, structure.embed_scale, DTYPES[spec.input_dtype])
-    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name())
+    protocol = protocol_of(tokenizer)
+    stops = stop_ids(structure, tokenizer, protocol)
+    grammar = VocabLoader(functools.partial(GrammarVocab.from_tokenizer, tokenizer, structure.vocab_size, stops))
+    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops,
+                grammar)
 
 
 def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:
@@ -95,7 +101,7 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
 
             return HFGraph(host.artifacts.hf, spec, device=device)
         if kind == "null":
-            from server.graphs.null import NullGraph
+            from server.graphs.null import NULL_GRAPH_WORDS, NullGraph
 
             # Greedy repeats " a"; sampling draws among ordinary words, so every sampled token is a visible chunk.
             words = list(dict.fromkeys(host.tokenizer.encode(NULL_GRAPH_WORDS, add_special_tokens=False)))
@@ -124,4 +130,5 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
         step_timeout_s=settings.step_timeout_s,
         prefix_reuse=prefix_reuse,
         on_loaded=freeze_heap,
+        constraints=host.grammar.matcher,
     )

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,12 +35,16 @@ from server.engine.types import (
     GenerationRequest,
     QueueFull,
     RequestHandle,
+    TokenConstraint,
     TokenLogprob,
 )
 from server.graphs.base import Graph
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
 from server.sampling.sampler import Sampler
+
+if TYPE_CHECKING:
+    from server.constraints.constraint import ConstraintSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +81,14 @@ class Engine:
         step_timeout_s: float = 120.0,
         prefix_reuse: bool = True,
         on_loaded: Callable[[], None] | None = None,
+        constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None,
     ) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._load_graph = load_graph
         self._on_loaded = on_loaded  # process-wide policy once the graph is in (see server.app.process)
+        self._constraints = constraints  # a request's constraint (a value) -> a fresh matcher for one run
         self.graph: Graph | None = None
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -342,6 +349,15 @@ class Engine:
                       graph_calls=shared.graph_calls if ran else 0, device_s=shared.device_s if ran else 0.0,
                       **extra)  # type: ignore[arg-type]
 
+    def _constraint_for(self, request: GenerationRequest) -> TokenConstraint | None:
+        """This run's matcher of the request's constraint: built here, per run, so the request stays a value that can
+        run again (after a cache reset, or as another choice)."""
+        if request.constraint is None:
+            return None
+        if self._constraints is None:
+            raise RuntimeError("this engine was built without a constraint builder (see server.app.runtime.build_engine)")
+        return self._constraints(request.constraint)
+
     def _generate(self, handle: RequestHandle) -> None:
         """prefill -> decode steps -> the stop reason, then the held-back text and the Finish."""
         graph = self.graph
@@ -359,7 +375,7 @@ class Engine:
                                         prefill_calls=prefill_calls))
             return
 
-        constraint = request.constraint
+        constraint = self._constraint_for(request)
         sampler = Sampler(request.sampling, graph.vocab_size, ids, graph.host_softcap, constraint=constraint,
                           stop_ids=sorted(self.eos_token_ids), min_tokens=request.min_tokens)
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens)

@@ -15,7 +15,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from server.constraints.constraint import ConstraintSpec
+    from server.protocol.base import ChatProtocol
 
 # Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
 GREEDY_EPS = 1e-5
@@ -49,15 +53,17 @@ class GenerationRequest:
     request_id: str = ""
     timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
     skip_special_tokens: bool = True
-    # What the output may be, as a vocabulary mask each step (server.constraints.constraint.Constraint; None = free text, zero
-    # cost). Stateful: one per request, advanced by the engine with every token it accepts.
-    constraint: TokenConstraint | None = None
+    # What the output may be (server.constraints.constraint.ConstraintSpec: a grammar, banned ids, ...; None = free
+    # text, zero cost). A value: the engine builds a fresh matcher from it for each run, applied as a vocabulary mask
+    # each step and advanced with every token it accepts.
+    constraint: ConstraintSpec | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
     min_tokens: int = 0  # stop ids are masked out until this many tokens were generated
 
 
 class TokenConstraint(Protocol):
-    """What the sampler and the engine need of a constraint (server.constraints.constraint.Constraint is one)."""
+    """What the sampler and the engine need of a constraint's matcher (server.constraints.constraint.Constraint is
+    one; the engine builds it from the request's `ConstraintSpec`)."""
 
     def fill_mask(self, bitmask: Any) -> None: ...
     def accept(self, token_id: int) -> bool: ...
@@ -192,7 +198,10 @@ class ModelInfo:
     # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
     # server.model.tokenizer.HostTokenizer's serving surface
     tokenizer: Any
-    stop_token_ids: tuple[int, ...] = ()  # eos and the generation config's other stop ids
+    # The model family's chat format (server.protocol), detected once at start-up: the API renders prompts, parses
+    # output and plans constraints through it.
+    protocol: ChatProtocol
+    stop_token_ids: tuple[int, ...] = ()  # eos, the generation config's other stop ids and the protocol's
 
 
 class EngineAPI(Protocol):

@@ -13,6 +13,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+# What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
+NULL_GRAPH_WORDS = (
+    " a the of and to in is that for it with as was on be by at this are from or have an they which one you were"
+    " her all she there would their we him been has when who will more no if out so said what up its about into"
+    " than them can only other new some could time these two may then do first any my now such like our over"
+)
+
 
 class NullGraph:
     name = "null"

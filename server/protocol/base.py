@@ -4,7 +4,9 @@ A protocol has two sides:
 - request: `prompt_inputs(messages, tools=..., chat_template_kwargs=..., reasoning_effort=...)` turns OpenAI chat
   messages (plain dicts, None-valued keys allowed) into what the model's chat template takes, or raises
   `ProtocolError` (the API's 400, naming the offending field in `param`);
-- response: `parser(...)` returns a streaming `OutputParser`: `feed(text) -> Delta` with text decoded from the
+- constraints: `calls` (the tool-call format as the constraint planner needs it: markers and call grammar) and
+  `stop_tokens` (what ends its turns besides eos), both empty for the plain protocol;
+- response: `parser(...)` returns a streaming `OutputParser`: `feed(text) -> ParsedDelta` with text decoded from the
   generated ids *as the protocol needs it* (`keep_special_tokens`), then `finish() -> ParseEnd`.
 
 Torch-free, engine-free, and testable with plain strings.
@@ -16,19 +18,19 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from server.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from server.constraints.constraint import CallFormat
 
 # OpenAI's reasoning_effort values; "none" turns thinking off, every other one on (Gemma-4 has no effort levels).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-class ProtocolError(ValueError):
+class ProtocolError(InvalidRequest):
     """A request the protocol cannot honour: the API answers 400 with this message and `param`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
-class Delta:
+class ParsedDelta:
     """What one `feed()` adds to the answer: visible text, thought-channel text, completed tool calls."""
 
     content: str = ""
@@ -59,7 +61,7 @@ class ParseEnd:
     """`finish()`'s answer: the last delta, and whether any complete call was made (finish_reason "tool_calls",
     unless the engine stopped for length: the caller keeps "length" then)."""
 
-    delta: Delta
+    delta: ParsedDelta
     called_tools: bool
 
 
@@ -83,7 +85,7 @@ class ParsedMessage:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     called_tools: bool = False
 
-    def add(self, delta: Delta) -> None:
+    def add(self, delta: ParsedDelta) -> None:
         self.content += delta.content
         self.reasoning += delta.reasoning
         self.tool_calls.extend(delta.tool_calls)
@@ -91,7 +93,7 @@ class ParsedMessage:
 
 class OutputParser(ABC):
     @abstractmethod
-    def feed(self, text: str) -> Delta:
+    def feed(self, text: str) -> ParsedDelta:
         """Text the detokenizer released since the last call (any split, even inside a special token's text)."""
 
     @abstractmethod
@@ -114,6 +116,13 @@ class ChatProtocol(ABC):
     supports_tools: bool
     # The detokenizer must decode with skip_special_tokens=False for this protocol's parser (its markers are specials).
     keep_special_tokens: bool
+    # Stop tokens besides eos, by text (the host resolves them to ids): where the format ends a turn or waits.
+    stop_tokens: tuple[str, ...] = ()
+
+    @property
+    def calls(self) -> CallFormat | None:
+        """The format's tool calls as the constraint planner needs them; None: no native tool-call format."""
+        return None
 
     @abstractmethod
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -203,8 +212,8 @@ class PlainProtocol(ChatProtocol):
 
 
 class PlainParser(OutputParser):
-    def feed(self, text: str) -> Delta:
-        return Delta(content=text)
+    def feed(self, text: str) -> ParsedDelta:
+        return ParsedDelta(content=text)
 
     def finish(self) -> ParseEnd:
-        return ParseEnd(Delta(), False)
+        return ParseEnd(ParsedDelta(), False)

@@ -13,6 +13,9 @@ into objects, `role: "tool"` messages given the called function's `name` (found 
 parsed when it is a JSON object (the template renders objects natively), `enable_thinking` from
 `chat_template_kwargs` / `reasoning_effort` ("none" = off; default off).
 
+Constraint side: `Gemma4Protocol.calls` is the call grammar (gemma4_grammar.py) and `stop_tokens` are `<turn|>` and
+`<|tool_response>`.
+
 Response side (`Gemma4Parser`): fed the text decoded *with* special tokens, in chunks split anywhere. Deliberate
 choices (tests/test_protocol_gemma4.py pins each):
 - A tool call is held until it is complete and then emitted once, whole (index, id, name, the full JSON arguments):
@@ -35,12 +38,12 @@ import math
 import re
 import uuid
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.protocol.base import (
     ChatProtocol,
-    Delta,
     OutputParser,
+    ParsedDelta,
     ParseEnd,
     PromptInputs,
     ProtocolError,
@@ -48,6 +51,9 @@ from server.protocol.base import (
     openai_messages,
     thinking_from,
 )
+
+if TYPE_CHECKING:
+    from server.constraints.constraint import CallFormat
 
 TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
@@ -86,10 +92,18 @@ class Gemma4Protocol(ChatProtocol):
     name = "gemma4"
     supports_tools = True
     keep_special_tokens = True
+    stop_tokens = STOP_TOKENS
 
     def __init__(self, special_tokens: Collection[str] = ()) -> None:
         """`special_tokens`: the tokenizer's special-token texts, removed from content as skip_special_tokens would."""
         self.special_tokens = frozenset(special_tokens) | frozenset(MARKERS) | {"<bos>", "<eos>", "<pad>"}
+
+    @property
+    def calls(self) -> CallFormat:
+        # Imported here: the grammar module is built on this module's markers (and it needs numpy; parsing does not).
+        from server.protocol.gemma4_grammar import GEMMA4_CALLS
+
+        return GEMMA4_CALLS
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                       chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -275,7 +289,7 @@ class Gemma4Parser(OutputParser):
         self._reasoning: list[str] = []
         self._out_calls: list[ToolCallDelta] = []
 
-    def feed(self, text: str) -> Delta:
+    def feed(self, text: str) -> ParsedDelta:
         self._buf += text
         self._drain(final=False)
         return self._delta()
@@ -286,8 +300,8 @@ class Gemma4Parser(OutputParser):
 
     # ------------------------------------------------------------- internals
 
-    def _delta(self) -> Delta:
-        delta = Delta("".join(self._content), "".join(self._reasoning), tuple(self._out_calls))
+    def _delta(self) -> ParsedDelta:
+        delta = ParsedDelta("".join(self._content), "".join(self._reasoning), tuple(self._out_calls))
         self._content, self._reasoning, self._out_calls = [], [], []
         return delta
 

@@ -12,8 +12,7 @@ from typing import Any
 
 from server.api.chat.plan import Prompts
 from server.engine.types import Delta, Finish, TokenLogprob
-from server.protocol import Delta as ParsedDelta
-from server.protocol import OutputParser, ToolCallDelta, collect
+from server.protocol import OutputParser, ParsedDelta, ToolCallDelta, collect
 from server.protocol.base import PlainParser
 
 _LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf

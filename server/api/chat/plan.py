@@ -1,7 +1,8 @@
 """The model as the routes see it: its name, its vocabulary and context checks, and its tokenizer (off the event loop).
 
-Everything model-specific comes from the `ModelInfo` (tokenizer with its chat template, vocabulary size, context
-size); nothing here branches on the model type or touches a tensor.
+Everything model-specific comes from the `ModelInfo` (tokenizer with its chat template, the protocol detected at
+start-up, vocabulary size, context size); nothing here branches on the model type or touches a tensor. Output
+constraints are planned in constraints.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -17,13 +18,8 @@ from jinja2 import TemplateError
 
 from server.api.schemas import ChatCompletionRequest, Message
 from server.engine.types import ModelInfo
-from server.errors import APIError
-from server.protocol import ChatProtocol, PromptInputs, ProtocolError, detect_protocol
-
-# A constrained request that arrives while the grammar vocabulary is still building (the first 15-60 s after start-up)
-# waits this long for it, then gets a 503 with Retry-After.
-GRAMMAR_WAIT_S = 60.0
-GRAMMAR_RETRY_AFTER_S = 10
+from server.errors import APIError, InvalidRequest
+from server.protocol import ChatProtocol, PromptInputs
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: the token *is* one raw byte
 
@@ -34,12 +30,7 @@ class Prompts:
         self.tokenizer = model.tokenizer
         self.created = int(time.time())
         self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
-        self.protocol: ChatProtocol = detect_protocol(_TokenTexts(self.tokenizer), _special_tokens(self.tokenizer))
-        self.grammar = _vocab_loader(model)
-
-    def start_background_work(self) -> None:
-        """After start-up: build the grammar vocabulary on its own thread (constrained requests need it)."""
-        self.grammar.start()
+        self.protocol: ChatProtocol = model.protocol
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model.name:
@@ -88,14 +79,14 @@ class Prompts:
             inputs = self.protocol.prompt_inputs([m.template_dict() for m in body.messages], tools=tools,
                                                  chat_template_kwargs=body.chat_template_kwargs,
                                                  reasoning_effort=body.reasoning_effort)
-        except ProtocolError as exc:
+        except InvalidRequest as exc:
             raise invalid(exc.message, exc.param) from None
         return self._render(inputs.messages, True, False, tools=inputs.tools, **inputs.template_kwargs), inputs
 
     def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
         try:
             inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages])
-        except ProtocolError as exc:
+        except InvalidRequest as exc:
             raise invalid(exc.message, exc.param) from None
         return self._render(inputs.messages, add_generation_prompt, add_special_tokens, **inputs.template_kwargs)
 
@@ -127,61 +118,3 @@ def invalid(message: str, param: str | None) -> APIError:
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value")
-
-
-class _TokenTexts:
-    """`text in vocabulary`, one lookup per question. The protocol asks about a handful of markers; building the whole
-    262k-entry `get_vocab()` dict for that took 0.35 s of start-up and left its freed heap resident."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._contains = ((lambda text: backend.token_to_id(text) is not None) if backend is not None
-                          else tokenizer.get_vocab().__contains__)
-
-    def __contains__(self, text: object) -> bool:
-        return isinstance(text, str) and self._contains(text)
-
-
-def _special_tokens(tokenizer: Any) -> list[str]:
-    """The texts of the tokenizer's special added tokens (what skip_special_tokens would remove)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return []
-    return [token.content for token in backend.get_added_tokens_decoder().values() if token.special]
-
-
-# One loader per tokenizer object in a process: apps built again around the same host (tests, the bench) share the
-# build, which takes seconds and holds the GIL for most of it (llguidance's Rust constructor).
-_LOADERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
-
-
-def _vocab_loader(model: ModelInfo) -> Any:
-    from server.constraints.constraint import GrammarVocab, VocabLoader  # llguidance: imported by the API side only
-
-    key = (id(model.tokenizer), model.vocab_size, tuple(model.stop_token_ids))
-    cached = _LOADERS.get(key)
-    if cached is not None and cached[0] is model.tokenizer:
-        return cached[1]
-
-    def build() -> GrammarVocab:
-        return GrammarVocab.from_tokenizer(model.tokenizer, model.vocab_size, model.stop_token_ids)
-
-    loader = VocabLoader(build)
-    _LOADERS[key] = (model.tokenizer, loader)
-    return loader
-
-
-def grammar_spec(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
-    """What build_constraint needs from a chat request, or None when the request has no constraint at all (then the
-    grammar vocabulary is never waited for)."""
-    response_format = body.response_format.model_dump(exclude_none=True) if body.response_format else None
-    fmt = (response_format or {}).get("type", "text")
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    choice = body.tool_choice
-    forced_or_banned = tools and (choice not in (None, "auto") or body.parallel_tool_calls is False)
-    if fmt == "text" and not forced_or_banned:
-        if isinstance(choice, dict) or choice == "required":
-            raise APIError(400, "tool_choice: requires tools", param="tool_choice", code="invalid_value")
-        return None
-    return {"response_format": response_format, "tools": tools, "tool_choice": choice,
-            "parallel_tool_calls": body.parallel_tool_calls is not False}

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from server.api.schemas import ChatCompletionRequest
-from server.engine.types import RequestHandle, SamplingParams, TokenConstraint
+from server.constraints.constraint import ConstraintSpec
+from server.engine.types import RequestHandle, SamplingParams
 from server.protocol import OutputParser, PromptInputs
 
 
@@ -23,13 +24,13 @@ class ChatPlan:
     ids: list[int]
     inputs: PromptInputs
     sampling: SamplingParams
-    constraints: list[TokenConstraint | None]  # one per choice: a constraint is stateful
+    constraint: ConstraintSpec | None  # a value, shared by the choices: the engine builds each run's matcher
     new_parser: Callable[[], OutputParser]
     keep_special_tokens: bool
 
 
 class ChatPlanner(Protocol):
-    async def plan_chat(self, body: ChatCompletionRequest, n: int = 1) -> ChatPlan: ...  # mistakes: 400s naming chat fields
+    async def plan_chat(self, body: ChatCompletionRequest) -> ChatPlan: ...  # mistakes: 400s naming chat fields
 
     def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
                     request_id: str) -> list[RequestHandle]: ...  # n choices together; too long a prompt: a 400 on `param`

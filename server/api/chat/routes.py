@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.api.chat.constraints import OutputConstraints
 from server.api.chat.formats import ChatFormat, CompletionFormat, Envelope, Format, usage
-from server.api.chat.plan import GRAMMAR_RETRY_AFTER_S, GRAMMAR_WAIT_S, Prompts, grammar_spec, invalid
+from server.api.chat.plan import Prompts
 from server.api.chat.planner import ChatPlan
 from server.api.http import parse, read_body
 from server.api.schemas import (
@@ -44,25 +44,25 @@ from server.api.schemas import (
 )
 from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
+from server.constraints.constraint import ConstraintSpec
 from server.engine.types import (
     Delta,
     Finish,
     GenerationRequest,
     RequestHandle,
     SamplingParams,
-    TokenConstraint,
 )
 from server.errors import APIError
-from server.protocol import PromptInputs
 
 # ----------------------------------------------------------------------------------------------------------
 # Routes
 
 
 class OpenAIRoutes:
-    def __init__(self, service: Service, prompts: Prompts) -> None:
+    def __init__(self, service: Service, prompts: Prompts, constraints: OutputConstraints) -> None:
         self.service = service
         self.prompts = prompts
+        self.constraints = constraints
         self.settings = service.settings
 
     async def _body(self, request: Request) -> bytes:
@@ -100,11 +100,11 @@ class OpenAIRoutes:
                            f"{limit} per request ({which})", param=param, code="invalid_value")
 
     def submit(self, prompts: Sequence[Sequence[int]], limit: int | None, param: str, n: int, *,
-               sampling: SamplingParams, request_id: str, constraints: Sequence[TokenConstraint | None] = (),
+               sampling: SamplingParams, request_id: str, constraint: ConstraintSpec | None = None,
                **fields: Any) -> list[RequestHandle]:
         """The one place GenerationRequests are built from a parsed body: `n` choices per prompt, each prompt with its
         budget, then `fields`. Choice i (prompt-major, OpenAI's index) draws with seed + i, so a seeded request is
-        reproducible and its choices differ; it gets constraints[i] when given (one per choice: they are stateful)."""
+        reproducible and its choices differ; every choice carries the same `constraint` (a value)."""
         requests = []
         for p, ids in enumerate(prompts):
             budget = self.prompts.budget(len(ids), limit, param)
@@ -114,13 +114,13 @@ class OpenAIRoutes:
                 requests.append(GenerationRequest(
                     prompt_ids=tuple(ids), max_new_tokens=budget, sampling=replace(sampling, seed=seed),
                     request_id=request_id if len(prompts) * n == 1 else f"{request_id}-{index}",
-                    constraint=constraints[index] if constraints else None, **fields))
+                    constraint=constraint, **fields))
         return self.service.submit(requests)
 
     def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
                     request_id: str) -> list[RequestHandle]:
         """`ChatPlanner.submit_plan`: chat completions and the Responses API submit a plan here, and only here."""
-        return self.submit([plan.ids], body.token_limit, param, n, sampling=plan.sampling, constraints=plan.constraints,
+        return self.submit([plan.ids], body.token_limit, param, n, sampling=plan.sampling, constraint=plan.constraint,
                            stop=body.stop, request_id=request_id, skip_special_tokens=not plan.keep_special_tokens,
                            **self._eos_fields(body))
 
@@ -173,65 +173,26 @@ class OpenAIRoutes:
         body = parse(ChatCompletionRequest, await self._body(request))
         n = body.n or 1
         self.check_choices(n)
-        plan = await self.plan_chat(body, n)
+        plan = await self.plan_chat(body)
         envelope = Envelope(f"chatcmpl-{request.state.completion_id}", plan.model)
         handles = self.submit_plan(plan, body, n, param="messages", request_id=envelope.id)
         fmts = [ChatFormat(self.prompts, envelope, i, plan.sampling.logprobs, plan.new_parser()) for i in range(n)]
         return await self._respond(request, handles, fmts, n, bool(body.stream), body.include_usage)
 
-    async def plan_chat(self, body: ChatCompletionRequest, n: int = 1) -> ChatPlan:
-        """Checks, the prompt through the model's protocol and template, and the output constraints (one per choice)."""
+    async def plan_chat(self, body: ChatCompletionRequest) -> ChatPlan:
+        """Checks, the prompt through the model's protocol and template, and the output constraint."""
         model = self.prompts.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
         sampling = self._sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
         ids, inputs = await self.prompts.chat_prompt(body)
-        constraints = await self._constraints(body, inputs, n)
-        self._check_constraint_fields(body, constraints[0])
+        constraint = await self.constraints.plan(body, inputs)
         protocol = self.prompts.protocol
         tool_names = [tool.function["name"] for tool in body.tools or ()]
         parse_tools = bool(tool_names) and body.tool_choice != "none"
-        return ChatPlan(model, ids, inputs, sampling, constraints,
+        return ChatPlan(model, ids, inputs, sampling, constraint,
                         functools.partial(protocol.parser, tool_names=tool_names, parse_tool_calls=parse_tools),
                         protocol.keep_special_tokens)
-
-    async def _constraints(self, body: ChatCompletionRequest, inputs: PromptInputs,
-                           n: int) -> list[TokenConstraint | None]:
-        """The request's output constraint, once per choice, compiled off the event loop (bounded by the compiler's
-        limits), or [None] * n. Waits (bounded) for the grammar vocabulary while it is still being built after
-        start-up."""
-        spec = grammar_spec(body)
-        if spec is None:
-            return [None] * n
-        from server.constraints.constraint import ConstraintError, build_constraint
-
-        try:
-            vocab = await anyio.to_thread.run_sync(self.prompts.grammar.wait, GRAMMAR_WAIT_S)
-        except RuntimeError as exc:
-            raise APIError(500, str(exc), code="grammar_unavailable") from None
-        if vocab is None:
-            raise APIError(503, "The grammar engine is still loading its vocabulary (once, after start-up); retry "
-                           "shortly.", code="grammar_loading", headers={"Retry-After": str(GRAMMAR_RETRY_AFTER_S)})
-        protocol = self.prompts.protocol
-
-        def build() -> list[TokenConstraint | None]:
-            return [build_constraint(vocab, **spec, thinking=inputs.thinking, native_tools=protocol.supports_tools)
-                    for _ in range(n)]
-
-        try:
-            return await anyio.to_thread.run_sync(build)
-        except ConstraintError as exc:
-            raise invalid(exc.message, exc.param or "response_format") from None
-
-    @staticmethod
-    def _check_constraint_fields(body: SamplingFields, constraint: TokenConstraint | None) -> None:
-        if constraint is None:
-            return
-        for name in ("ignore_eos", "min_tokens"):
-            if getattr(body, name):
-                raise APIError(400, f"{name}: cannot be combined with a constrained output (response_format or a "
-                               "tool_choice that forces or forbids calls): the grammar decides where it may end",
-                               param=name, code="invalid_value")
 
     @staticmethod
     def _eos_fields(body: SamplingFields) -> dict[str, Any]:

@@ -23,8 +23,7 @@ from typing import Any
 from server.api.chat.planner import ChatPlan
 from server.api.responses.schemas import FunctionChoice, ReasoningConfig, ResponsesRequest, TextFormat
 from server.engine.types import Delta, Finish
-from server.protocol import Delta as ParsedDelta
-from server.protocol import OutputParser, ToolCallDelta
+from server.protocol import OutputParser, ParsedDelta, ToolCallDelta
 
 
 def _new_id(prefix: str) -> str:

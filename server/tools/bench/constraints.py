@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
-from server.constraints.constraint import Constraint, GrammarVocab, build_constraint
+from server.constraints.constraint import Constraint, build_matcher
+from server.constraints.planner import plan_constraint
+from server.constraints.vocab import GrammarVocab
 from server.engine.types import SamplingParams
-from server.protocol.gemma4 import CALL_OPEN
+from server.protocol import protocol_of
 from server.sampling.mask import TokenMask
 from server.sampling.sampler import Sampler
 from server.tools.bench.report import percentile, report
@@ -85,7 +87,7 @@ def _walk(build: Any, documents: Sequence[list[int]], mask: TokenMask, logits: t
 def measure_constraints(tokenizer: Any, *, vocab_size: int = 262_144, stop_ids: Sequence[int] | None = None,
                         repeats: int = 5) -> dict[str, float]:
     """Per-token mask cost (p50/p99, ms) for json_schema and json_object, plus Gemma-4 tool calls when the
-    tokenizer has Gemma-4's markers. `tokenizer`: a HostTokenizer."""
+    tokenizer is Gemma-4's. `tokenizer`: a HostTokenizer."""
     stops = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
     results: dict[str, float] = {}
     start = time.perf_counter()
@@ -101,16 +103,18 @@ def measure_constraints(tokenizer: Any, *, vocab_size: int = 262_144, stop_ids: 
         "json_object": ({"response_format": {"type": "json_object"}},
                         [json.dumps(person, ensure_ascii=False) for person in PEOPLE]),
     }
-    if CALL_OPEN in vocab.markers:
-        calls = ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3,unit:<|"|>celsius<|"|>}<tool_call|>',
-                 '<|tool_call>call:get_weather{city:<|"|>San Francisco<|"|>,unit:<|"|>fahrenheit<|"|>}<tool_call|>']
-        cases["tool_call"] = ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, calls)
+    calls = protocol_of(tokenizer).calls
+    if calls is not None:
+        written = ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3,unit:<|"|>celsius<|"|>}<tool_call|>',
+                   '<|tool_call>call:get_weather{city:<|"|>San Francisco<|"|>,unit:<|"|>fahrenheit<|"|>}<tool_call|>']
+        cases["tool_call"] = ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, written)
     for name, (request, texts) in cases.items():
         start = time.perf_counter()
-        build_constraint(vocab, **request)  # the first compile (later ones copy the cached grammar)
+        spec = plan_constraint(vocab, calls, **request)  # the first compile (later ones copy the cached grammar)
         results[f"constraint_compile_ms_{name}"] = (time.perf_counter() - start) * 1e3
+        assert spec is not None
         documents = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        build = functools.partial(build_constraint, vocab, **request)
+        build = functools.partial(build_matcher, vocab, spec)
         fill_ms, total_ms, cpu_ms = _walk(build, documents, mask, logits, repeats)
         # apply_cpu: CPU time of this thread, what the step costs when no other process takes the core away.
         for label, times in (("mask", fill_ms), ("mask_apply", total_ms), ("mask_apply_cpu", cpu_ms)):

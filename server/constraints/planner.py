@@ -1,0 +1,83 @@
+"""Planning a request's constraint: OpenAI's `response_format`, `tools`, `tool_choice` and `parallel_tool_calls` as one
+`ConstraintSpec` value (or None), any grammar compiled once so that what cannot be enforced is the request's 400.
+
+Model-independent: the call syntax, its markers and the thought channel come from the chat protocol's `CallFormat`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from server.constraints.constraint import (
+    BannedIds,
+    CallFormat,
+    ConstraintError,
+    ConstraintSpec,
+    Grammar,
+    StopAfter,
+    function_of,
+    with_thought,
+)
+from server.constraints.json_schema import json_grammar
+
+if TYPE_CHECKING:
+    from server.constraints.vocab import GrammarVocab
+
+
+def plan_constraint(vocab: GrammarVocab, calls: CallFormat | None, *,
+                    response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                    tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool = True,
+                    thinking: bool = False) -> ConstraintSpec | None:
+    """The request's constraint, or None when it has none. Raises ConstraintError (a 400) for what cannot be enforced.
+
+    `calls`: the model's tool-call format (None: the model has none; tools on such a model are refused earlier, by
+    the protocol). `thinking`: a thought channel may precede the constrained output. Compiles a grammar (milliseconds,
+    bounded; cached for the matchers built from it later): call it off the event loop and the device thread.
+    """
+    fmt = (response_format or {}).get("type", "text")
+    if fmt not in ("text", "json_object", "json_schema"):
+        raise ConstraintError(f"response_format.type {fmt!r} is not supported", "response_format")
+    choice = _tool_choice(tools, tool_choice)
+    if fmt != "text" and choice in ("required", "named"):
+        raise ConstraintError("response_format cannot be combined with a tool_choice that forces a call", "tool_choice")
+    channel = calls.thought if thinking and calls is not None else None
+    if fmt != "text":
+        return _compiled(vocab, with_thought(vocab, json_grammar(response_format or {}, vocab.limits), channel))
+    if not tools or choice == "auto" and parallel_tool_calls:
+        return None
+    if calls is None:
+        raise ConstraintError("tools: this model has no native tool-call format", "tools")
+    if choice == "none":
+        return BannedIds((vocab.token_id(calls.call_open),))
+    if choice == "auto":
+        return StopAfter(vocab.token_id(calls.call_close))
+    names = [tool_choice["function"]["name"]] if choice == "named" else None  # type: ignore[index]
+    return _compiled(vocab, calls.call_grammar(vocab, tools, names, parallel=parallel_tool_calls,
+                                               thought=channel is not None))
+
+
+def _compiled(vocab: GrammarVocab, lark: str) -> Grammar:
+    """The grammar as a value, compiled once now: what does not compile is the request's error, not the engine's."""
+    vocab.compile(lark)
+    return Grammar(lark)
+
+
+def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None) -> str:
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ConstraintError(f"tool_choice {tool_choice!r} is not one of none, auto, required", "tool_choice")
+        if tool_choice == "required" and not tools:
+            raise ConstraintError("tool_choice 'required' needs tools", "tool_choice")
+        return tool_choice
+    name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise ConstraintError("tool_choice must be 'none', 'auto', 'required' or "
+                              "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if name not in {function_of(tool)["name"] for tool in tools or ()}:
+        raise ConstraintError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return "named"
+
+

@@ -1,0 +1,176 @@
+"""The grammar vocabulary: the tokenizer as llguidance needs it (`GrammarVocab`, seconds to build, once per model),
+built in the background (`VocabLoader`), and the limits that bound every grammar compiled against it.
+
+Why llguidance, not xgrammar (both measured on this host, 2 cores shared with other jobs at load 8-11, the real 262k
+Gemma tokenizer, 3 JSON documents forced through a 6-property schema, 215 mask fills each):
+                      compile json_schema   compile json_object   fill p50 / p99 (ms)
+    llguidance 1.9.1       9-13 ms               1.4-9.5 ms        0.015-0.021 / 2-8 (first pass builds lexer states)
+    xgrammar 0.2.9       420-880 ms            430-800 ms          0.003-0.010 / 0.3-1.2
+Both fill a mask far under the 0.5 ms goal; xgrammar precomputes a per-grammar cache over the whole vocabulary, so
+each new schema costs ~0.5 s of CPU, where llguidance compiles in milliseconds with its work bounded by fuel limits.
+Its Lark grammars also reference special tokens by id (`<[48]>`) and intersect regexes (`& ~/.../`), which Gemma's
+`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s here, more under load; see
+`GrammarVocab`): do it once, off the device thread. Per-token cost with the torch side: server/tools/bench/constraints.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from server.constraints.constraint import Constraint, ConstraintError, ConstraintSpec, build_matcher
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    max_spec_chars: int = 64 * 1024  # JSON text of a schema, or of all tools' parameters together
+    max_depth: int = 8  # nesting of objects/arrays (and $ref inlining) in a tool's arguments
+    max_properties: int = 256  # over one tool's whole schema
+    max_string_length: int = 8192  # maxLength above this is refused (a lexer state per character)
+    max_tools: int = 128
+    max_compile_s: float = 2.0  # measured after the fact; fuel limits below are what actually bound the work
+    grammar_size: int = 200_000  # llguidance: symbols in productions
+    lexer_fuel: int = 2_000_000  # llguidance: work to build the lexer (~50k/ms)
+    cache_entries: int = 64  # compiled grammars kept for reuse (a copy per run)
+
+
+class GrammarVocab:
+    """The tokenizer as the grammar engine needs it, built once per model.
+
+    Seconds of work (13-20 s on this 2-core host for Gemma's 262k tokens, up to a minute under heavy load; building
+    it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s): build it at start-up in a thread, or
+    lazily on the first constrained request (never on the device thread). `stop_ids` are the ids that end generation
+    (eos plus the generation config's and the protocol's extra stops): a finished grammar allows exactly those.
+    `token_id(text)` finds a special token's id (a chat protocol's markers), None if the tokenizer has no such token.
+    """
+
+    def __init__(self, tokenizer_json: str, token_id: Callable[[str], int | None], vocab_size: int,
+                 stop_ids: Sequence[int], limits: ConstraintLimits = ConstraintLimits()) -> None:
+        self.vocab_size = vocab_size
+        self.stop_ids = tuple(dict.fromkeys(stop_ids))
+        self.limits = limits
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.stop_ids))
+        self._lookup = token_id
+        self._parser_limits = llguidance.LLParserLimits(max_grammar_size=limits.grammar_size,
+                                                        initial_lexer_fuel=limits.lexer_fuel, verbose_errors=False)
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
+                       limits: ConstraintLimits = ConstraintLimits()) -> GrammarVocab:
+        """From a `HostTokenizer` (or a transformers fast tokenizer): its Rust tokenizer serialised, as llguidance's
+        own transformers adapter does; token lookups one at a time (never the 262k-entry `get_vocab()` dict)."""
+        backend = tokenizer.backend_tokenizer
+        return cls(backend.to_str(), backend.token_to_id, vocab_size, stop_ids, limits)
+
+    @property
+    def mask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, grammar: str) -> None:
+        """Compile `grammar` into the cache (nothing if it is there); ConstraintError if it does not compile."""
+        self._compiled(grammar, copy=False)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for `grammar` (a copy of a cached compiled one); ConstraintError if it does not compile.
+        A grammar the cache let go since the API compiled it is compiled again (milliseconds, bounded by the fuel)."""
+        matcher = self._compiled(grammar, copy=True)
+        assert matcher is not None
+        return matcher
+
+    def _compiled(self, grammar: str, *, copy: bool) -> llguidance.LLMatcher | None:
+        with self._lock:  # copies are taken under the lock: the cached original is shared by every thread
+            compiled = self._cache.get(grammar)
+            if compiled is not None:
+                self._cache.move_to_end(grammar)
+                return compiled.deep_copy() if copy else None
+        start = time.perf_counter()
+        compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._parser_limits)
+        elapsed = time.perf_counter() - start
+        if compiled.is_error():
+            raise ConstraintError(f"cannot enforce this schema: {_first_line(compiled.get_error())}")
+        if elapsed > self.limits.max_compile_s:
+            raise ConstraintError(f"schema too complex to enforce (compiling took {elapsed:.1f} s)")
+        with self._lock:
+            self._cache[grammar] = compiled
+            while len(self._cache) > self.limits.cache_entries:
+                self._cache.popitem(last=False)
+            return compiled.deep_copy() if copy else None
+
+    def token_id(self, text: str) -> int:
+        """The id of the special token `text`; ConstraintError if this vocabulary has none."""
+        token = self._lookup(text)
+        if token is None:
+            raise ConstraintError(f"this model's tokenizer has no {text} token")
+        return token
+
+    def special(self, text: str) -> str:
+        """The Lark reference to a special token of this vocabulary, by id."""
+        return f"<[{self.token_id(text)}]>"
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+
+
+class VocabLoader:
+    """Builds the `GrammarVocab` once, on its own thread, after start-up (never on the device thread, never delaying
+    readiness): `start()` is idempotent, `wait(timeout)` gives the vocabulary or None if it is not ready in time.
+
+    One per host (the composition root makes it with the host): the API waits for it before it admits a constrained
+    request, and the engine builds each run's matcher with it (`matcher(spec)`); apps built again around the same
+    host (tests, the bench) share the build.
+
+    Nothing is cached on disk: llguidance has no way to serialise a built tokenizer (LLTokenizer), so each start
+    builds it again (13-20 s for Gemma's 262k tokens on a 2-core host). The constructor holds the GIL for most of
+    that (one ~10 s stall measured), which is why the server starts it together with the graph load.
+    """
+
+    def __init__(self, build: Callable[[], GrammarVocab]) -> None:
+        self._build = build
+        self._vocab: GrammarVocab | None = None
+        self._error: str | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="grammar-vocab", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._vocab = self._build()
+        except Exception as exc:  # noqa: BLE001 - reported to every constrained request, the server keeps serving
+            self._error = f"{type(exc).__name__}: {exc}"
+        self._done.set()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def wait(self, timeout: float) -> GrammarVocab | None:
+        """The vocabulary, or None when it is still building after `timeout`; raises RuntimeError if it failed."""
+        self.start()
+        if not self._done.wait(timeout):
+            return None
+        if self._vocab is None:
+            raise RuntimeError(f"the grammar vocabulary failed to build: {self._error}")
+        return self._vocab
+
+    def matcher(self, spec: ConstraintSpec) -> Constraint:
+        """A fresh matcher for one run of a request constrained by `spec` (the engine's, on its device thread). The
+        vocabulary is built by then: the API waited for it before it admitted the request."""
+        vocab = self.wait(0)
+        if vocab is None:
+            raise RuntimeError("the grammar vocabulary is not built yet")
+        return build_matcher(vocab, spec)
