@@ -39,13 +39,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api.chat.constraints import GrammarSource, OutputConstraints
 from server.api.chat.plan import Prompts
 from server.api.chat.routes import OpenAIRoutes
+from server.api.given import EngineAPI, ModelInfo
 from server.api.metrics import Metrics, MetricsMiddleware
 from server.api.page import chat_page
 from server.api.responses.routes import ResponsesRoutes
 from server.api.responses.store import ResponseStore
 from server.api.service import Service
 from server.config import Settings
-from server.engine.types import EngineAPI, ModelInfo
 from server.errors import APIError
 
 Endpoint = Callable[[Request], Awaitable[Response]]

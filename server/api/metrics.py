@@ -12,7 +12,8 @@ from collections.abc import Container
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine.types import EngineAPI, Finish
+from server.api.given import EngineAPI
+from server.engine.types import Finish
 
 PREFIX = "gemma4"
 

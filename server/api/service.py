@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
 
+from server.api.given import EngineAPI
 from server.api.metrics import Metrics
 from server.config import Settings
 from server.engine.types import (
     Completion,
     Delta,
-    EngineAPI,
     EngineError,
     EngineNotReady,
     Event,

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.api.given import ModelInfo
 from server.app.process import freeze_heap, single_threaded_torch
 from server.config import Settings
 from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
-from server.engine.types import ModelInfo
 from server.graphs.base import DTYPES, Graph
 from server.model.artifacts import ArtifactDir, GraphSpec, validate
 from server.model.embedding import HostEmbedding

@@ -1,5 +1,4 @@
-"""What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors, and the two
-small interfaces `api/` is given (an engine, a model's facts).
+"""What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors.
 
 Deliberate choices:
 - Requests are built by keyword only, so a new optional field (a token constraint, `min_tokens`, ...) never
@@ -13,13 +12,12 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
-    from server.protocol.base import ChatProtocol
 
 # Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
 GREEDY_EPS = 1e-5
@@ -185,43 +183,3 @@ async def collect(events: AsyncIterator[Event]) -> Completion:
             return Completion("".join(d.text for d in deltas), ids, event, deltas)
         deltas.append(event)
     raise AssertionError("the event stream ended without a Finish")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """The facts about the served model that the HTTP layer needs."""
-
-    name: str
-    max_total: int  # context: prompt + completion
-    vocab_size: int
-    generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
-    # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
-    # server.model.tokenizer.HostTokenizer's serving surface
-    tokenizer: Any
-    # The model family's chat format (server.protocol), detected once at start-up: the API renders prompts, parses
-    # output and plans constraints through it.
-    protocol: ChatProtocol
-    stop_token_ids: tuple[int, ...] = ()  # eos, the generation config's other stop ids and the protocol's
-
-
-class EngineAPI(Protocol):
-    """The engine's public surface, as `api/` uses it (server.engine.engine.Engine is one)."""
-
-    @property
-    def state(self) -> str: ...
-    @property
-    def state_reason(self) -> str: ...
-    @property
-    def queue_depth(self) -> int: ...
-    @property
-    def running(self) -> int: ...
-    @property
-    def admitted(self) -> int: ...
-    def submit(self, request: GenerationRequest) -> RequestHandle: ...
-    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]: ...
-    def start(self) -> None: ...
-    def stop(self, timeout: float = 5.0) -> None: ...
-    def drain(self) -> None: ...
-    def in_flight(self) -> list[RequestHandle]: ...
-    def cancel_all(self) -> None: ...
-    async def wait_idle(self, timeout: float) -> bool: ...

@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 from jinja2 import TemplateError
 
+from server.api.given import ModelInfo
 from server.api.schemas import ChatCompletionRequest, Message
-from server.engine.types import ModelInfo
 from server.errors import APIError, InvalidRequest
 from server.protocol import ChatProtocol, PromptInputs
 

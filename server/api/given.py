@@ -1,0 +1,52 @@
+"""What `api/` is given by the composition root (server.app): the engine, as the surface the routes use (`EngineAPI`;
+server.engine.engine.Engine is one), and the served model's facts (`ModelInfo`). Declared here, by the side that
+needs them, so the engine knows nothing of the API and the API nothing of how the host is assembled."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from server.engine.types import GenerationRequest, RequestHandle
+from server.protocol.base import ChatProtocol
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The facts about the served model that the HTTP layer needs."""
+
+    name: str
+    max_total: int  # context: prompt + completion
+    vocab_size: int
+    generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
+    # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
+    # server.model.tokenizer.HostTokenizer's serving surface
+    tokenizer: Any
+    # The model family's chat format (server.protocol), detected once at start-up: the API renders prompts, parses
+    # output and plans constraints through it.
+    protocol: ChatProtocol
+    stop_token_ids: tuple[int, ...] = ()  # eos, the generation config's other stop ids and the protocol's
+
+
+class EngineAPI(Protocol):
+    """The engine's public surface, as `api/` uses it (server.engine.engine.Engine is one)."""
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def state_reason(self) -> str: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def admitted(self) -> int: ...
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
+    def drain(self) -> None: ...
+    def in_flight(self) -> list[RequestHandle]: ...
+    def cancel_all(self) -> None: ...
+    async def wait_idle(self, timeout: float) -> bool: ...
