@@ -37,7 +37,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.chat.constraints import GrammarSource, OutputConstraints
-from server.api.chat.plan import Prompts
+from server.api.chat.prompts import Prompts
 from server.api.chat.routes import OpenAIRoutes
 from server.api.given import EngineAPI, ModelInfo
 from server.api.metrics import Metrics, MetricsMiddleware

@@ -1,2 +1,3 @@
-"""The chat route family: the model as routes see it (`plan.Prompts`), the chat plan (`planner`), OpenAI's response
-formats (`formats`) and the routes (`routes`). Must not import torch, the engine's internals, nor `server.api.responses`."""
+"""The chat route family: the model as the routes see it (`prompts.Prompts`), output constraints (`constraints`), the
+chat plan every chat-shaped API submits through (`plan`), OpenAI's response formats (`formats`) and the routes
+(`routes`). Must not import torch, the engine's internals, nor `server.api.responses`."""

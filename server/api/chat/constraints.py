@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from server.api.chat.plan import invalid
+from server.api.chat.prompts import invalid
 from server.api.schemas import ChatCompletionRequest
 from server.constraints.constraint import ConstraintSpec
 from server.constraints.planner import plan_constraint

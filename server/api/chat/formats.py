@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.chat.plan import Prompts
+from server.api.chat.prompts import Prompts
 from server.engine.types import Delta, Finish, TokenLogprob
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta, collect
 from server.protocol.base import PlainParser

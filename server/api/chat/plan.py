@@ -1,120 +1,36 @@
-"""The model as the routes see it: its name, its vocabulary and context checks, and its tokenizer (off the event loop).
-
-Everything model-specific comes from the `ModelInfo` (tokenizer with its chat template, the protocol detected at
-start-up, vocabulary size, context size); nothing here branches on the model type or touches a tensor. Output
-constraints are planned in constraints.py.
+"""The chat plan (`ChatPlan`: prompt ids, sampling, constraints, output parser) and `ChatPlanner`, which makes one from
+a `ChatCompletionRequest` and submits it as GenerationRequests. The chat routes implement it; an API translated onto
+the chat path (the Responses API) takes it as this protocol, so it depends on these names, not on the chat routes.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
-import anyio
-from jinja2 import TemplateError
-
-from server.api.given import ModelInfo
-from server.api.schemas import ChatCompletionRequest, Message
-from server.errors import APIError, InvalidRequest
-from server.protocol import ChatProtocol, PromptInputs
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: the token *is* one raw byte
+from server.api.schemas import ChatCompletionRequest
+from server.constraints.constraint import ConstraintSpec
+from server.engine.types import RequestHandle, SamplingParams
+from server.protocol import OutputParser, PromptInputs
 
 
-class Prompts:
-    def __init__(self, model: ModelInfo) -> None:
-        self.model = model
-        self.tokenizer = model.tokenizer
-        self.created = int(time.time())
-        self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
-        self.protocol: ChatProtocol = model.protocol
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request checked, rendered and compiled: what each of its choices submits, and how its output parses.
+    The one path from a chat-shaped request to the engine (chat completions, and the Responses API through it)."""
 
-    def check_model(self, model: str | None) -> str:
-        if model is not None and model != self.model.name:
-            shown = model if len(model) <= 200 else model[:200] + "..."  # never echo a 2 MB "model" back
-            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model.name}`.",
-                           param="model", code="model_not_found")
-        return self.model.name
-
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        vocab = self.model.vocab_size
-        bad = next((i for i in ids if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param,
-                           code="invalid_value")
-
-    def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
-        """Tokens the completion may have: the request's limit, capped by what the context leaves."""
-        room = self.model.max_total - prompt_tokens
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.model.max_total} tokens and at least "
-                           f"one must remain for the completion, but the prompt has {prompt_tokens} tokens.",
-                           param=param, code="context_length_exceeded")
-        return room if requested is None else min(requested, room)
-
-    # Tokenizing runs on a worker thread: a 2 MB prompt takes seconds, which would stall every other stream's
-    # chunks on the event loop. (Encoding and decoding borrow the Rust tokenizer immutably and release the GIL.)
-
-    async def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                       add_special_tokens: bool = False) -> list[int]:
-        return await anyio.to_thread.run_sync(self._chat_ids, messages, add_generation_prompt, add_special_tokens)
-
-    async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
-        return await anyio.to_thread.run_sync(encode)
-
-    async def decode(self, ids: Sequence[int]) -> str:
-        return await anyio.to_thread.run_sync(self.tokenizer.decode, ids)
-
-    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
-        """A chat request's prompt through the model's protocol (tools, thinking, tool messages) and template."""
-        return await anyio.to_thread.run_sync(self._chat_prompt, body)
-
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        try:
-            inputs = self.protocol.prompt_inputs([m.template_dict() for m in body.messages], tools=tools,
-                                                 chat_template_kwargs=body.chat_template_kwargs,
-                                                 reasoning_effort=body.reasoning_effort)
-        except InvalidRequest as exc:
-            raise invalid(exc.message, exc.param) from None
-        return self._render(inputs.messages, True, False, tools=inputs.tools, **inputs.template_kwargs), inputs
-
-    def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-        try:
-            inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages])
-        except InvalidRequest as exc:
-            raise invalid(exc.message, exc.param) from None
-        return self._render(inputs.messages, add_generation_prompt, add_special_tokens, **inputs.template_kwargs)
-
-    def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
-                **template: Any) -> list[int]:
-        """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
-        special tokens again: the template writes BOS itself."""
-        if not self.protocol.supports_tools:
-            # A plain template knows only text turns: an assistant turn without text is an empty one.
-            conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      **template)
-        except (TemplateError, ValueError, TypeError) as exc:  # ValueError: the model ships no chat template
-            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
-                           code="invalid_value") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def _token_info(self, token_id: int) -> tuple[str, list[int]]:
-        """A token's text as OpenAI's logprobs show it, and its bytes (the raw byte for byte-fallback tokens)."""
-        text = self.tokenizer.decode([token_id])
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
-        return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
+    model: str
+    ids: list[int]
+    inputs: PromptInputs
+    sampling: SamplingParams
+    constraint: ConstraintSpec | None  # a value, shared by the choices: the engine builds each run's matcher
+    new_parser: Callable[[], OutputParser]
+    keep_special_tokens: bool
 
 
-def invalid(message: str, param: str | None) -> APIError:
-    """A 400 for a protocol or constraint error, its message starting with the field it names."""
-    if param and not message.startswith(param):
-        message = f"{param}: {message}"
-    return APIError(400, message, param=param, code="invalid_value")
+class ChatPlanner(Protocol):
+    async def plan_chat(self, body: ChatCompletionRequest) -> ChatPlan: ...  # mistakes: 400s naming chat fields
+
+    def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
+                    request_id: str) -> list[RequestHandle]: ...  # n choices together; too long a prompt: a 400 on `param`

@@ -30,8 +30,8 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.chat.constraints import OutputConstraints
 from server.api.chat.formats import ChatFormat, CompletionFormat, Envelope, Format, usage
-from server.api.chat.plan import Prompts
-from server.api.chat.planner import ChatPlan
+from server.api.chat.plan import ChatPlan
+from server.api.chat.prompts import Prompts
 from server.api.http import parse, read_body
 from server.api.schemas import (
     ChatCompletionRequest,

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from server.api.chat.planner import ChatPlan
+from server.api.chat.plan import ChatPlan
 from server.api.responses.schemas import FunctionChoice, ReasoningConfig, ResponsesRequest, TextFormat
 from server.engine.types import Delta, Finish
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta

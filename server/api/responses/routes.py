@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.chat.planner import ChatPlanner
+from server.api.chat.plan import ChatPlanner
 from server.api.http import parse, read_body
 from server.api.responses.builder import OutputBuilder, finished, listed_item, response_shell
 from server.api.responses.schemas import INPUT_ITEMS, ReasoningConfig, ResponsesRequest
