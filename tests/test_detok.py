@@ -1,4 +1,4 @@
-"""server/detok.py with the real 262k Gemma tokenizer: streaming text equals the full decode; stop strings."""
+"""server/model/detok.py with the real 262k Gemma tokenizer: streaming text equals the full decode; stop strings."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     forward(embeds [1, T, H], positions [1, T]) -> logits [1, T, V]      (T <= prefill_bucket)
 
 A graph compiled for several prefill lengths also exposes `prefill_buckets` (ascending; the largest is
-`prefill_bucket`); the engine plans its prefill chunks over them (server/buckets.py).
+`prefill_bucket`); the engine plans its prefill chunks over them (server/engine/buckets.py).
 
 The KV cache lives with the graph; slot = absolute position. The engine decides what to (re)compute
 and calls `rewind(n)` first to say "slots >= n are stale"; the graph answers from which position it can
