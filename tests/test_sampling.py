@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from server.engine.types import SamplingParams
+from server.sampling.params import SamplingParams
 from server.sampling.sampler import Sampler, argmax, candidates, topk
 from server.tools.bench.host import full_sort_top_p
 from tests.sampling_reference import candidate_distribution, reference_probs

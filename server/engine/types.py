@@ -17,27 +17,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-# Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
-GREEDY_EPS = 1e-5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 => greedy
-    top_k: int = 0  # 0 (or -1) => off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF/vLLM: divide positive / multiply negative logits of seen tokens
-    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0  # 0..20
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
+# The sampler's inputs live below the engine (server.sampling.params); re-exported here for api/ and callers.
+from server.sampling.params import GREEDY_EPS, SamplingParams, TokenConstraint  # noqa: F401 - GREEDY_EPS too
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,15 +35,6 @@ class GenerationRequest:
     constraint: TokenConstraint | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
     min_tokens: int = 0  # stop ids are masked out until this many tokens were generated
-
-
-class TokenConstraint(Protocol):
-    """What the sampler and the engine need of a constraint (server.constraints.constraint.Constraint is one)."""
-
-    def fill_mask(self, bitmask: Any) -> None: ...
-    def accept(self, token_id: int) -> bool: ...
-    @property
-    def is_finished(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from server.engine.types import SamplingParams, TokenConstraint
+from server.sampling.params import SamplingParams, TokenConstraint
 
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from server.constraints.constraint import Constraint, GrammarVocab, build_constraint
-from server.engine.types import SamplingParams
 from server.protocol.gemma4 import CALL_OPEN
 from server.sampling.mask import TokenMask
+from server.sampling.params import SamplingParams
 from server.sampling.sampler import Sampler
 from server.tools.bench.report import percentile, report
 
