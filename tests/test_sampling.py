@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from server.sampling.params import SamplingParams
-from server.sampling.sampler import Sampler, argmax, candidates, topk
+from server.sampling.primitives import argmax, candidates, topk
+from server.sampling.sampler import Sampler
 from server.tools.bench.host import full_sort_top_p
 from tests.sampling_reference import candidate_distribution, reference_probs
 
