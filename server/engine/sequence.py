@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from server.engine.types import Delta, Finish, RequestHandle, TokenConstraint, TokenLogprob
-from server.model.detok import IncrementalDetokenizer, StopMatcher
-from server.sampling.sampler import Sampler, SampleResult
+
+if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
+    from server.model.detok import IncrementalDetokenizer, StopMatcher
+    from server.sampling.sampler import Sampler, SampleResult
 
 __all__ = ["Sequence", "finish_event"]
 
