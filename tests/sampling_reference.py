@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from server.engine.types import SamplingParams
-from server.sampling.sampler import candidates
+from server.sampling.params import SamplingParams
+from server.sampling.primitives import candidates
 
 # Gemma-4's final-logit soft-cap: the reference's default, so its 3-argument call is the Gemma-4 baseline.
 GEMMA4_SOFTCAP = 30.0

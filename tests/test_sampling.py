@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from server.engine.types import SamplingParams
-from server.sampling.sampler import Sampler, argmax, candidates, topk
+from server.sampling.params import SamplingParams
+from server.sampling.primitives import argmax, candidates, topk
+from server.sampling.sampler import Sampler
 from server.tools.bench.host import full_sort_top_p
 from tests.sampling_reference import candidate_distribution, reference_probs
 

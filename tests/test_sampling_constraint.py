@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.constraints.constraint import BannedTokens, Constraint
-from server.engine.types import SamplingParams
+from server.sampling.params import SamplingParams
 from server.sampling.sampler import Sampler
 
 V = 4096

@@ -14,32 +14,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
 
-# Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
-GREEDY_EPS = 1e-5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 => greedy
-    top_k: int = 0  # 0 (or -1) => off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF/vLLM: divide positive / multiply negative logits of seen tokens
-    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0  # 0..20
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
+# The sampler's inputs live below the engine (server.sampling.params); re-exported here for api/ and callers.
+from server.sampling.params import GREEDY_EPS, SamplingParams, TokenConstraint  # noqa: F401 - GREEDY_EPS too
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,16 +38,6 @@ class GenerationRequest:
     constraint: ConstraintSpec | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
     min_tokens: int = 0  # stop ids are masked out until this many tokens were generated
-
-
-class TokenConstraint(Protocol):
-    """What the sampler and the engine need of a constraint's matcher (server.constraints.constraint.Constraint is
-    one; the engine builds it from the request's `ConstraintSpec`)."""
-
-    def fill_mask(self, bitmask: Any) -> None: ...
-    def accept(self, token_id: int) -> bool: ...
-    @property
-    def is_finished(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,9 @@ import torch
 from server.constraints.constraint import Constraint, build_matcher
 from server.constraints.planner import plan_constraint
 from server.constraints.vocab import GrammarVocab
-from server.engine.types import SamplingParams
 from server.protocol import protocol_of
 from server.sampling.mask import TokenMask
+from server.sampling.params import SamplingParams
 from server.sampling.sampler import Sampler
 from server.tools.bench.report import percentile, report
 

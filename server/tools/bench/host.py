@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.engine.types import SamplingParams
 from server.model.artifacts import GraphSpec
+from server.sampling.params import SamplingParams
 from server.tools.bench.report import percentile, report, status_kib
 
 if TYPE_CHECKING:

@@ -1,0 +1,146 @@
+"""`Sequence`: one request on the device, everything the engine advances per token, with the verbs that advance it.
+
+The request (server.engine.types.GenerationRequest) is what `api/` asked for; a Sequence is the engine's state for
+running it: its token ids, its sampler, detokenizer, stop matcher and constraint, its budget and deadline, its counters
+and timings, and the handle its events go out through. The engine's loop calls `append` with each sampled token and
+`finish` once `reason` is set; the sequence never calls the graph.
+
+Deliberate choices:
+- A token a constraint rejects is never emitted (an llguidance error state: the mask allowed nothing it accepts).
+- A stop id is emitted as an empty Delta (its id, no text); a stop string's text is cut where the stop begins.
+- A grammar that finished allows only a stop id: the sequence ends there, with no device step to sample it.
+- What the detokenizer and the stop matcher hold back for a continuation is released at the end, unless a stop
+  id or string ended the text (then the held text was the start of the stop, or nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from server.engine.types import Delta, Finish, RequestHandle, TokenConstraint, TokenLogprob
+
+if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
+    from server.model.detok import IncrementalDetokenizer, StopMatcher
+    from server.sampling.sampler import Sampler, SampleResult
+
+__all__ = ["Sequence", "finish_event"]
+
+log = logging.getLogger(__name__)
+
+
+def finish_event(handle: RequestHandle, reason: str, prompt_tokens: int, completion_tokens: int, *,
+                 graph_calls: int = 0, device_s: float = 0.0, **extra: object) -> Finish:
+    """The Finish of `handle`'s request now, its queue wait counted up to its start (or now, if it never started)."""
+    now = time.monotonic()
+    started = handle.started or now
+    return Finish(reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  queue_wait_s=started - handle.submitted, total_s=now - handle.submitted,
+                  graph_calls=graph_calls, device_s=device_s, **extra)  # type: ignore[arg-type]
+
+
+class Sequence:
+    """One running request: ids, sampler, detokenizer, stop matcher, constraint, budget, counters, deadline."""
+
+    __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampler", "constraint", "budget", "deadline",
+                 "generated", "ttft_s", "reused_tokens", "prefill_calls", "pending", "reason", "error",
+                 "grammar_done", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+
+    def __init__(self, handle: RequestHandle, sampler: Sampler, detok: IncrementalDetokenizer, stops: StopMatcher, *,
+                 constraint: TokenConstraint | None, eos_ids: frozenset[int], budget: int, deadline: float) -> None:
+        request = handle.request
+        self.handle = handle
+        self.token_ids = list(request.prompt_ids)  # the prompt, then each generated token
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampler = sampler
+        self.constraint = constraint  # advanced here, token by token; the sampler only reads its mask
+        self.budget = budget  # max new tokens, within the context
+        self.deadline = deadline  # monotonic wall-clock limit, counted from submission
+        self.generated = 0
+        self.ttft_s: float | None = None  # submission -> first token
+        self.reused_tokens = 0  # prompt positions found in the KV cache
+        self.prefill_calls = 0
+        self.pending: Delta | None = None  # the last token's Delta, out when the next graph call submits
+        self.reason: str | None = None  # set once the sequence ends: stop | length | timeout | cancelled | error
+        self.error: str | None = None
+        self.grammar_done = False  # ended by a finished constraint: what the detokenizer holds is still to be released
+        self._detok = detok
+        self._stops = stops
+        self._eos_ids = eos_ids
+        self._ignore_eos = request.ignore_eos
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def last_token(self) -> int:
+        """What the next decode step feeds the graph."""
+        return self.token_ids[-1]
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle.cancelled.is_set()
+
+    def append(self, result: SampleResult) -> Delta | None:
+        """Advance everything by one sampled token: its Delta (None when it must not be emitted); sets `reason`
+        when the sequence ends with it."""
+        token = result.token_id
+        self.sampler.accept(token)
+        self.token_ids.append(token)
+        self.generated += 1
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.handle.submitted
+        logprob = TokenLogprob(token, result.logprob, result.top_logprobs) if result.logprob is not None else None
+        constraint = self.constraint
+        if constraint is not None and not constraint.accept(token):
+            self.reason, self.error = "error", f"the output constraint rejected token {token}"
+            return None
+        if token in self._eos_ids and not self._ignore_eos:
+            self.reason = "stop"
+            return Delta("", token, logprob)
+        text, hit = self._stops.push(self._detok.push(token))
+        self.grammar_done = not hit and constraint is not None and constraint.is_finished
+        self.reason = "stop" if hit or self.grammar_done else self.stop_reason()
+        return Delta(text, token, logprob)
+
+    def stop_reason(self) -> str | None:
+        """Why decoding ends after this token ("length" | "timeout" | "cancelled"), or None to go on."""
+        if self.generated >= self.budget:
+            return "length"
+        if time.monotonic() > self.deadline:
+            log.warning("request %s hit its %g s wall-clock limit after %d tokens",
+                        self.handle.request.request_id, self.deadline - self.handle.submitted, self.generated)
+            return "timeout"
+        return "cancelled" if self.cancelled else None
+
+    def publish_pending(self) -> None:
+        """The held Delta out to the caller (the runner calls this when the next graph call submits)."""
+        delta, self.pending = self.pending, None
+        if delta is not None:
+            self.handle.publish(delta)
+
+    def finish(self, graph_calls: int, device_s: float) -> tuple[Delta | None, Finish]:
+        """Once `reason` is set: (the held-back text released, if any, and the Finish). Publishes nothing."""
+        reason = self.reason
+        assert reason is not None, "finish() after the sequence ended"
+        counters = {"reused_tokens": self.reused_tokens, "prefill_calls": self.prefill_calls, "ttft_s": self.ttft_s,
+                    "graph_calls": graph_calls, "device_s": device_s}
+        prompt, completion = self.num_prompt_tokens, self.generated
+        if reason == "error":
+            log.error("request %s: %s", self.handle.request.request_id, self.error)
+            return None, finish_event(self.handle, reason, prompt, completion, error=self.error, **counters)
+        timed_out = reason == "timeout"
+        if timed_out:
+            reason = "length"
+        tail: Delta | None = None
+        if reason != "stop" or self.grammar_done:
+            # Release what the detokenizer and the stop matcher were holding back for a continuation.
+            text, hit = self._stops.push(self._detok.flush())
+            if hit:
+                reason = "stop"
+            else:
+                text += self._stops.flush()
+            tail = Delta(text) if text else None
+        return tail, finish_event(self.handle, reason, prompt, completion, timed_out=timed_out, **counters)
