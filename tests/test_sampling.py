@@ -1,4 +1,4 @@
-"""server/sampling.py: exact masks on small vocabularies, distributions, seeds, penalties, soft-cap, logprobs."""
+"""server/sampling/: exact masks on small vocabularies, distributions, seeds, penalties, soft-cap, logprobs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Applying a constraint's vocabulary mask to a row of logits: the torch side of server/constraints.py.
+"""Applying a constraint's vocabulary mask to a row of logits: the torch side of server/constraints/.
 
 The sampler calls `TokenMask.apply_(constraint, logits)` on its own scratch row (never the graph's buffer) after
 logit_bias and penalties and before greedy/top-k: disallowed tokens become -inf, so every later step (argmax,
