@@ -250,9 +250,10 @@ def test_a_stalled_graph_call_fails_its_request_in_time_and_health_recovers_when
 
 def test_sigterm_with_a_stream_longer_than_the_grace_cancels_it_in_band_and_exits_0() -> None:
     grace = 1.0
-    proc, url = spawn_serve("--shutdown-grace", str(grace), "--log-level", "info")
+    # 1000 tokens of 10 ms device steps: 10 s, far past the grace by construction (instant null steps with the host's
+    # own work alone took under the 1 s grace on a fast machine, and the stream ended before the signal mattered)
+    proc, url = spawn_serve("--shutdown-grace", str(grace), "--log-level", "info", "--null-step-ms", "10")
     try:
-        # ~1000 sampled tokens with logprobs over the whole vocabulary: many seconds, far past the grace
         body = {"prompt": "Hi", "max_tokens": 1000, "temperature": 1.0, "logprobs": 5, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()
