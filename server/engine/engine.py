@@ -1,28 +1,14 @@
-"""The device owner: one thread runs the graph, a bounded FIFO feeds it, asyncio queues carry events back.
+"""The device owner: one worker thread runs the loop schedule -> run one step -> postprocess, a bounded FIFO feeds it,
+asyncio queues carry small events back (the HTTP layer formats them). Here: lifecycle, admission, the watchdog, and
+how a request ends.
 
-Per request: reuse the longest common prefix already in the graph's KV cache (chats re-send the whole
-conversation), prefill the rest in bucket-sized chunks, then decode until eos / stop string / max tokens /
-end of context / wall-clock limit. Between any two graph calls the worker checks for cancellation, so a
-client that goes away frees the device within one step.
-
-The worker's loop is schedule -> run one step -> postprocess: the scheduler (`scheduler`) picks the next graph call
-(a prefill chunk or a decode step), the runner (`runner`) makes it and records it in the KV slot (`kv`), and the
-running `Sequence` (`sequence`) takes the sampled token and says whether it ended. This module owns the rest: the
-lifecycle, admission, the watchdog, and how a request ends.
-
-Deliberate choices:
-- One worker thread, batch size 1: the device holds one KV cache; there is nothing to batch with. The queue is
-  FIFO, and the next request starts only once the running one ended.
-- The engine only emits small events; the HTTP layer formats them.
-- A request's Finish is the last thing that happens to it: its counts (`admitted`, `running`) are settled before the
-  Finish is published, however it ends (`_retire` is the one way out), so a caller holding a Finish never reads a
-  count that still includes its request.
-- A graph call that raises ends that request with an error event and resets the cache; the next request
-  runs. A graph call that stalls past `step_timeout_s` is abandoned by a watchdog: its request gets an
-  error at once (and no longer counts as running), the engine reports `error` until the call returns (Python
-  cannot interrupt it).
-- The request is a value; the engine builds what runs it (`_sequence`), its constraint matcher in one place
-  (`_constraint_for`).
+- Batch size 1, one worker thread: the device holds one KV cache; the next request starts once the running one ended.
+- `_retire` is the one way a request ends: it settles `admitted` and `running` before publishing the Finish, so a
+  caller holding a Finish never reads a count that still includes its request.
+- A graph call that raises ends its request with an error and resets the cache; the next request runs. One that
+  stalls past `step_timeout_s` is abandoned by the watchdog: its request gets an error at once, and the engine
+  reports `error` until the call returns (Python cannot interrupt it).
+- The request stays a value: each run's Sequence and constraint matcher are built here (`_sequence`, `_constraint_for`).
 """
 
 from __future__ import annotations

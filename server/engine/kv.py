@@ -1,11 +1,7 @@
-"""The host's record of one KV slot of the graph: which token ids its cache holds, and the last prefill's logits.
+"""The host's record of one KV slot (the cache itself lives with the graph): the token ids it holds, to find the
+longest common prefix with the next prompt, and the last prefilled prompt's logits, so the same prompt again (the
+2nd..nth choice of a request, a regenerated answer) costs no graph call. One slot today; one per slot with contract v3.
 
-The cache itself lives with the graph (server.graphs.base); the engine only decides what to (re)compute, so it keeps
-the ids the cache holds (slot position = index) to find the longest common prefix with the next prompt, and the
-logits of the last prefilled prompt, so the same prompt again (the 2nd..nth choice of a request, a regenerated
-answer) costs no graph call at all. One instance today (one KV cache); one per slot with graph contract v3.
-
-Deliberate choices:
 - The last prompt token is always recomputed when its logits were not kept: they are what the first token is
   sampled from, and the graph does not hand back logits it computed earlier.
 - The graph has the last word on what it can keep (`rewind` answers where it can really continue: a transformers
@@ -18,8 +14,6 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-
-__all__ = ["KVSlot"]
 
 log = logging.getLogger(__name__)
 

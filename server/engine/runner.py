@@ -1,16 +1,13 @@
-"""The graph calls of one step: a prefill chunk or a decode step, timed for the watchdog, their KV recorded.
+"""`Runner`, the only caller of `graph.forward`: each call timed where the watchdog sees it (`DeviceWatch`), counted
+for the request, its KV recorded; `Abandoned` when the watchdog gave up on it meanwhile.
 
-`Runner` is the only caller of `graph.forward`. Each call marks its start where the watchdog sees it (`DeviceWatch`),
-counts the request's calls and device time, and raises `Abandoned` when the watchdog gave up on it meanwhile.
-
-The decode fast path (`Runner.decode`, measured; keep it when changing this file):
+The decode fast path (measured; keep it when changing this file):
 - publish on submit: the previous token's Delta goes out from the graph's `on_submit` callback, once the step's
   inputs are built and right before its device work (see server.graphs.base). Published earlier, the event loop
   would take the GIL from this thread while it still builds the step's inputs; later, the client would wait for
   the whole device step. A call that fails before submitting publishes it afterwards: no token is ever lost.
 - positions pre-built: one [1, 1] tensor per position, made once (a fresh `torch.tensor` per token is a call on
   the critical path).
-Prefill stays plain: one call per chunk, the chunks planned by server.engine.buckets.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ from server.engine.kv import KVSlot
 from server.engine.types import RequestHandle
 from server.graphs.base import Graph
 from server.model.embedding import HostEmbedding
-
-__all__ = ["Abandoned", "DeviceWatch", "Runner"]
 
 
 class Abandoned(Exception):

@@ -1,11 +1,6 @@
-"""`Sequence`: one request on the device, everything the engine advances per token, with the verbs that advance it.
+"""`Sequence`: the engine's state for running one request, and the verbs that advance it token by token
+(`append`, then `finish` once `reason` is set). It never calls the graph.
 
-The request (server.engine.types.GenerationRequest) is what `api/` asked for; a Sequence is the engine's state for
-running it: its token ids, its sampler, detokenizer, stop matcher and constraint, its budget and deadline, its counters
-and timings, and the handle its events go out through. The engine's loop calls `append` with each sampled token and
-`finish` once `reason` is set; the sequence never calls the graph.
-
-Deliberate choices:
 - A token a constraint rejects is never emitted (an llguidance error state: the mask allowed nothing it accepts).
 - A stop id is emitted as an empty Delta (its id, no text); a stop string's text is cut where the stop begins.
 - A grammar that finished allows only a stop id: the sequence ends there, with no device step to sample it.
@@ -24,8 +19,6 @@ from server.engine.types import Delta, Finish, RequestHandle, TokenConstraint, T
 if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
     from server.model.detok import IncrementalDetokenizer, StopMatcher
     from server.sampling.sampler import Sampler, SampleResult
-
-__all__ = ["Sequence", "finish_event"]
 
 log = logging.getLogger(__name__)
 
