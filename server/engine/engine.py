@@ -29,19 +29,11 @@ from server.engine.kv import KVSlot
 from server.engine.runner import Abandoned, DeviceWatch, Runner
 from server.engine.scheduler import DecodeStep, Scheduler, Step
 from server.engine.sequence import Sequence, finish_event
-from server.engine.types import (
-    Delta,
-    EngineNotReady,
-    Event,
-    Finish,
-    GenerationRequest,
-    QueueFull,
-    RequestHandle,
-    TokenConstraint,
-)
+from server.engine.types import Delta, EngineNotReady, Event, Finish, GenerationRequest, QueueFull, RequestHandle
 from server.graphs.base import Graph
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
+from server.sampling.params import TokenConstraint
 from server.sampling.sampler import Sampler
 
 if TYPE_CHECKING:

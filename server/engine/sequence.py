@@ -14,10 +14,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from server.engine.types import Delta, Finish, RequestHandle, TokenConstraint, TokenLogprob
+from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob
 
 if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
     from server.model.detok import IncrementalDetokenizer, StopMatcher
+    from server.sampling.params import TokenConstraint
     from server.sampling.sampler import Sampler, SampleResult
 
 log = logging.getLogger(__name__)

@@ -16,11 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from server.sampling.params import SamplingParams
+
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
-
-# The sampler's inputs live below the engine (server.sampling.params); re-exported here for api/ and callers.
-from server.sampling.params import GREEDY_EPS, SamplingParams, TokenConstraint  # noqa: F401 - GREEDY_EPS too
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
