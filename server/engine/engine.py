@@ -322,7 +322,7 @@ class Engine:
             self._expire(handle)
             return
         seq = self._sequence(handle)
-        seq.reused_tokens, kept = self._kv.reuse(seq.prompt_ids, self.prefix_reuse)
+        seq.reused_tokens, kept = self._kv.reuse(handle.request.prompt_ids, self.prefix_reuse)
         self._scheduler.add(seq, seq.reused_tokens)
         if kept is not None:  # the same prompt as the last one, all of it still in the cache: no prefill at all
             self._postprocess(seq, kept)
@@ -355,9 +355,9 @@ class Engine:
         seq = step.seq
         if isinstance(step, DecodeStep):
             # The held Delta goes out when the graph submits this step (see server.engine.runner: publish on submit).
-            logits = self._runner.decode(self._kv, seq.last_token, on_submit=seq.publish_pending)  # [1, 1, V]
+            logits = self._runner.decode(self._kv, seq.token_ids[-1], on_submit=seq.publish_pending)  # [1, 1, V]
         else:
-            if seq.cancelled:  # checked between any two prefill calls: the device is free within one
+            if seq.handle.cancelled.is_set():  # checked between any two prefill calls: the device is free within one
                 seq.reason = "cancelled"
                 self._end(seq)
                 return
@@ -365,7 +365,7 @@ class Engine:
             seq.prefill_calls += 1
             if not step.last:
                 return
-            self._kv.keep(seq.prompt_ids, logits)  # [1, 1, V]
+            self._kv.keep(seq.handle.request.prompt_ids, logits)  # [1, 1, V]
         self._postprocess(seq, logits)
 
     def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> None:

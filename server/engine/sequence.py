@@ -64,19 +64,6 @@ class Sequence:
         self._eos_ids = eos_ids
         self._ignore_eos = request.ignore_eos
 
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def last_token(self) -> int:
-        """What the next decode step feeds the graph."""
-        return self.token_ids[-1]
-
-    @property
-    def cancelled(self) -> bool:
-        return self.handle.cancelled.is_set()
-
     def append(self, result: SampleResult) -> Delta | None:
         """Advance everything by one sampled token: its Delta (None when it must not be emitted); sets `reason`
         when the sequence ends with it."""
@@ -107,7 +94,7 @@ class Sequence:
             log.warning("request %s hit its %g s wall-clock limit after %d tokens",
                         self.handle.request.request_id, self.deadline - self.handle.submitted, self.generated)
             return "timeout"
-        return "cancelled" if self.cancelled else None
+        return "cancelled" if self.handle.cancelled.is_set() else None
 
     def publish_pending(self) -> None:
         """The held Delta out to the caller (the runner calls this when the next graph call submits)."""

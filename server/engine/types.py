@@ -117,13 +117,10 @@ class RequestHandle:
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.finished = False  # set by the worker side once a Finish was sent
         self.delivered = False  # set on the caller's side once the Finish was received
 
     def publish(self, event: Event) -> None:
         """The worker side: hand one event to the caller's event loop (thread-safe)."""
-        if isinstance(event, Finish):
-            self.finished = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
