@@ -45,20 +45,10 @@ log = logging.getLogger(__name__)
 class Engine:
     """Owns the graph. `start()` loads it on the worker thread (HTTP can listen meanwhile), then serves."""
 
-    def __init__(
-        self,
-        embedding: HostEmbedding,
-        tokenizer: object,
-        eos_token_ids: collections.abc.Sequence[int],
-        load_graph: Callable[[], Graph],
-        *,
-        max_queue: int = 16,
-        request_timeout_s: float = 600.0,
-        step_timeout_s: float = 120.0,
-        prefix_reuse: bool = True,
-        on_loaded: Callable[[], None] | None = None,
-        constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None,
-    ) -> None:
+    def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
+                 load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
+                 step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
+                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -189,11 +179,13 @@ class Engine:
 
     # ----------------------------------------------------------------- how a request ends (any thread)
 
-    def _finish(self, handle: RequestHandle, reason: str, prompt: int, completion: int, **extra: object) -> Finish:
-        """A Finish built outside its sequence (before it ran, or for a fault): the device counters if it ran."""
+    def _finish(self, handle: RequestHandle, reason: str, prompt: int | None = None, **extra: object) -> Finish:
+        """A Finish built outside its sequence (before it ran, or for a fault): no completion tokens, `prompt` the
+        prompt's length unless given, the device counters if it ran."""
         watch = self._watch
         ran = handle is watch.running and handle.started is not None
-        return finish_event(handle, reason, prompt, completion, graph_calls=watch.graph_calls if ran else 0,
+        prompt = len(handle.request.prompt_ids) if prompt is None else prompt
+        return finish_event(handle, reason, prompt, 0, graph_calls=watch.graph_calls if ran else 0,
                             device_s=watch.device_s if ran else 0.0, **extra)
 
     def _retire(self, handle: RequestHandle, *events: Event) -> None:
@@ -215,7 +207,7 @@ class Engine:
     def _expire(self, handle: RequestHandle) -> None:
         """End a request whose limit ran out before it reached the device: no work nobody can wait for."""
         log.warning("request %s hit its wall-clock limit while queued", handle.request.request_id)
-        self._retire(handle, self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
+        self._retire(handle, self._finish(handle, "length", timed_out=True))
 
     # ----------------------------------------------------------------- watchdog thread
 
@@ -246,7 +238,7 @@ class Engine:
                 return
             message = f"graph call exceeded the {self.step_timeout_s:g} s step timeout"
             watch.abandoned, watch.stall = True, message
-            finish = self._finish(handle, "error", len(handle.request.prompt_ids), 0, error=message)
+            finish = self._finish(handle, "error", error=message)
         log.error("request %s: %s; the device is marked unhealthy until it returns", handle.request.request_id, message)
         self._retire(handle, finish)
 
@@ -289,7 +281,7 @@ class Engine:
             queued = list(self._queue)
             self._queue.clear()
         for handle in queued:  # nobody may wait forever on a request the engine will never run
-            self._retire(handle, self._finish(handle, "cancelled", len(handle.request.prompt_ids), 0))
+            self._retire(handle, self._finish(handle, "cancelled"))
         return None
 
     def _run(self, handle: RequestHandle) -> None:
@@ -297,7 +289,7 @@ class Engine:
         assert self._kv is not None and self._scheduler is not None
         try:
             if handle.cancelled.is_set():
-                self._retire(handle, self._finish(handle, "cancelled", 0, 0))
+                self._retire(handle, self._finish(handle, "cancelled", prompt=0))
                 return
             self._start(handle)
             while (step := self._scheduler.schedule()) is not None:
@@ -307,8 +299,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - one request fails, the engine keeps serving
             log.exception("request %s failed in the graph", handle.request.request_id)
             self._kv.reset()
-            self._retire(handle, self._finish(handle, "error", len(handle.request.prompt_ids), 0,
-                                              error=f"{type(exc).__name__}: {exc}"))
+            self._retire(handle, self._finish(handle, "error", error=f"{type(exc).__name__}: {exc}"))
         finally:
             self._scheduler.clear()  # whatever ended it, nothing of this request runs any more
             with self._cond:
