@@ -19,14 +19,14 @@ Order of operations (each step sees the previous step's output; steps 1-2 and th
                                        (seeded => reproducible), searched in the kept prefix sums
 
 Steps 5-9 run on a candidate list of one of two kinds, behind one small interface (`CandidateMath`): Python floats
-(`FLOATS`, a small top-k) or tensors (`TENSORS`, any size). `_truncate` is their one definition for both.
+(`FLOATS`, a small top-k: a handful of torch calls instead of ~25, see `_PYTHON_TOP_K`) or tensors (`TENSORS`, any
+size). `_truncate` is their one definition for both.
 
 Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these without measuring):
 - No full-vocabulary sort on the usual path. `torch.topk(x, 64)` costs ~1 ms and `torch.argmax` ~0.5 ms,
   while a streaming max over 64-wide blocks costs ~0.04 ms; `topk`/`argmax` below use the block maxima.
 - top-k off with top-p/min-p: probe the best 64, 512, ... tokens until the kept set provably fits; only a
   near-flat distribution falls back to the full sort.
-- A small top-k's steps 5-9 on Python floats: a handful of torch calls instead of ~25 (see `_PYTHON_TOP_K`).
 - No function here modifies its input row; full-vocabulary passes write into a caller's scratch row when given one.
 """
 
@@ -135,29 +135,22 @@ class CandidateMath(Protocol):
 
     def scale(self, values: Any, softcap: float | None, inv_t: float) -> Any:
         """Steps 5-6: cap * tanh(x / cap) (when a soft-cap applies), then times inv_t. A new sequence."""
-        ...
 
     def weights(self, scaled: Any, peak: float) -> Any:
         """exp(scaled - peak): unnormalised probabilities, the best one 1.0 when peak is its scaled logit."""
-        ...
 
     def cumsum(self, weights: Any) -> Any:
         """Running sums of `weights`, best first: what min-p/top-p cut and the draw searches."""
-        ...
 
     def count_at_least(self, weights: Any, threshold: float) -> int:
         """How many weights are >= threshold (min-p: they are best first, so these are a prefix)."""
-        ...
 
     def count_below(self, cum: Any, target: float, n: int, *, or_equal: bool = False) -> int:
         """How many of cum[:n] are < target (<= with or_equal): a binary search, cum being ascending."""
-        ...
 
 
 class _FloatMath:
     """Candidates as Python lists of floats: for a small top-k, far fewer calls than torch on a handful of values."""
-
-    __slots__ = ()
 
     def scale(self, values: list[float], softcap: float | None, inv_t: float) -> list[float]:
         if softcap is not None:
@@ -179,8 +172,6 @@ class _FloatMath:
 
 class _TensorMath:
     """Candidates as 1-D float32 tensors (m,): any number of them, up to the whole vocabulary."""
-
-    __slots__ = ()
 
     def scale(self, values: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
         return _tensor_scale(values, softcap, inv_t)  # (m,) a new tensor
