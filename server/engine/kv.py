@@ -54,12 +54,6 @@ class KVSlot:
         # A copy: a graph may hand back a view of an output buffer its next call overwrites.
         self._kept = (list(prompt), logits.clone())
 
-    def append(self, token: int) -> None:
-        self.tokens.append(token)
-
-    def extend(self, chunk: Sequence[int]) -> None:
-        self.tokens.extend(chunk)
-
     def reset(self) -> None:
         """Forget everything (after a fault: the cache's contents are no longer trusted)."""
         self.tokens, self._kept = [], None

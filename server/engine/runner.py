@@ -67,14 +67,14 @@ class Runner:
         embeds = self.embedding.lookup(chunk)  # [1, T, H]
         positions = torch.arange(begin, end).unsqueeze(0)  # [1, T]
         logits = self._call(embeds, positions, last_only=last)
-        kv.extend(chunk)
+        kv.tokens.extend(chunk)
         return logits
 
     def decode(self, kv: KVSlot, token: int, on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         """`token` into the slot at its next position: logits [1, 1, V]. `on_submit` publishes the previous token."""
         embeds = self.embedding.lookup([token])  # [1, 1, H]
         logits = self._call(embeds, self._positions[len(kv)], last_only=True, publish=on_submit)
-        kv.append(token)
+        kv.tokens.append(token)
         return logits
 
     def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool,

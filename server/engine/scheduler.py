@@ -22,11 +22,7 @@ class PrefillStep:
     seq: Sequence
     begin: int
     end: int
-
-    @property
-    def last(self) -> bool:
-        """The prompt's last chunk: its logits are what the first token is sampled from."""
-        return self.end >= self.seq.num_prompt_tokens
+    last: bool  # the prompt's last chunk: its logits are what the first token is sampled from
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +57,8 @@ class Scheduler:
         if seq is None:
             return None
         if self._chunks:
-            return PrefillStep(seq, *self._chunks.popleft())
+            begin, end = self._chunks.popleft()
+            return PrefillStep(seq, begin, end, last=not self._chunks)
         return self._decode
 
     def remove(self, seq: Sequence) -> None:
