@@ -65,18 +65,6 @@ def _topk_block(k: int) -> int:
     return 0
 
 
-def _block_topk(x: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`topk`'s two stages: (values best first, their positions among the gathered blocks, the blocks), or None
-    where blocks do not apply."""
-    n = x.numel()
-    if not block or n % block or n // block < 2 * k or not x.is_contiguous():
-        return None
-    blocks = x.view(-1, block)  # (V/B, B)
-    top_blocks = torch.topk(blocks.amax(1), k, sorted=False).indices  # (k,)
-    values, pos = torch.topk(blocks.index_select(0, top_blocks).view(-1), k)  # (k,), (k,) into (k*B,)
-    return values, pos, top_blocks
-
-
 def topk(x: torch.Tensor, k: int, block: int | None = None, *, as_lists: bool = False) -> tuple[Any, Any]:
     """Exact top-k of a 1-D tensor: (values best first, indices), without torch.topk over all of it.
 
@@ -87,11 +75,13 @@ def topk(x: torch.Tensor, k: int, block: int | None = None, *, as_lists: bool = 
     as_lists: Python lists, the ids computed in Python (five fewer torch calls for a small k).
     """
     block = _topk_block(k) if block is None else block
-    staged = _block_topk(x, k, block)
-    if staged is None:
+    n = x.numel()
+    if not block or n % block or n // block < 2 * k or not x.is_contiguous():
         values, ids = torch.topk(x, k)  # small, odd-sized or huge-k cases: the direct route
         return (values.tolist(), ids.tolist()) if as_lists else (values, ids)
-    values, pos, top_blocks = staged
+    blocks = x.view(-1, block)  # (V/B, B)
+    top_blocks = torch.topk(blocks.amax(1), k, sorted=False).indices  # (k,)
+    values, pos = torch.topk(blocks.index_select(0, top_blocks).view(-1), k)  # (k,), (k,) into (k*B,)
     if as_lists:
         starts = top_blocks.tolist()
         return values.tolist(), [starts[p // block] * block + p % block for p in pos.tolist()]
