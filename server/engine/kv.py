@@ -4,8 +4,7 @@ longest common prefix with the next prompt, and the last prefilled prompt's logi
 
 - The last prompt token is always recomputed when its logits were not kept: they are what the first token is
   sampled from, and the graph does not hand back logits it computed earlier.
-- The graph has the last word on what it can keep (`rewind` answers where it can really continue: a transformers
-  sliding-window ring buffer cannot go back once it has wrapped).
+- The graph has the last word on what it can keep: `rewind` answers where it can really continue (server.graphs.base).
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 for the request, its KV recorded; `Abandoned` when the watchdog gave up on it meanwhile.
 
 The decode fast path (measured; keep it when changing this file):
-- publish on submit: the previous token's Delta goes out from the graph's `on_submit` callback, once the step's
-  inputs are built and right before its device work (see server.graphs.base). Published earlier, the event loop
-  would take the GIL from this thread while it still builds the step's inputs; later, the client would wait for
-  the whole device step. A call that fails before submitting publishes it afterwards: no token is ever lost.
+- publish on submit: the previous token's Delta goes out from the graph's `on_submit` callback, right before the
+  step's device work (why then: server.graphs.base; later, the client would wait for the whole device step). A call
+  that fails before submitting publishes it afterwards: no token is ever lost.
 - positions pre-built: one [1, 1] tensor per position, made once (a fresh `torch.tensor` per token is a call on
   the critical path).
 """

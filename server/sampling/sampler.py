@@ -13,8 +13,7 @@ Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these wi
   penalties write into a per-request scratch row, so no call allocates more than one vocabulary-sized tensor.
 - Penalties touch only the seen token ids (index ops over distinct ids kept as tensors).
 - One uniform per draw from Python's `random.Random` (seeded per request): no torch call for it.
-- Torch's intra-op threads: with 2 threads these ops stall for milliseconds whenever the other core is busy
-  (thread-pool hand-off); single-threaded they are steady. That is process-wide policy, left to the caller.
+- Torch's intra-op threads are process-wide policy, left to the caller (server.app.process: single-threaded).
 """
 
 from __future__ import annotations
