@@ -128,13 +128,10 @@ class RequestHandle:
         self.cancelled.set()
 
     async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._events.get()
-            if isinstance(event, Finish):
-                self.delivered = True
-                yield event
-                return
+        while not isinstance(event := await self._events.get(), Finish):
             yield event
+        self.delivered = True
+        yield event
 
     async def result(self) -> Completion:
         """Wait for the whole generation (non-streaming callers)."""
