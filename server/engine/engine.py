@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 class Engine:
     """Owns the graph. `start()` loads it on the worker thread (HTTP can listen meanwhile), then serves."""
 
+    # Made by `_load` once the graph is in; only the worker thread uses them, and only after that.
+    _kv: KVSlot
+    _runner: Runner
+    _scheduler: Scheduler
+
     def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
                  load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
                  step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
@@ -74,17 +79,12 @@ class Engine:
         self._submitted: dict[RequestHandle, None] = {}  # in submission order, until the caller has the Finish
         self._watch = DeviceWatch()
         self._threads: list[threading.Thread] = []
-        # Made once the graph is loaded (on the worker thread, which alone uses them).
-        self._kv: KVSlot | None = None
-        self._runner: Runner | None = None
-        self._scheduler: Scheduler | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        worker = threading.Thread(target=self._worker, name="device-owner", daemon=True)
-        watchdog = threading.Thread(target=self._watchdog, name="device-watchdog", daemon=True)
-        self._threads = [worker, watchdog]
+        self._threads = [threading.Thread(target=self._worker, name="device-owner", daemon=True),
+                         threading.Thread(target=self._watchdog, name="device-watchdog", daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -108,7 +108,6 @@ class Engine:
             return list(self._submitted)
 
     def cancel_all(self) -> None:
-        """Cancel every request in flight."""
         for handle in self.in_flight():
             handle.cancel()
 
@@ -232,9 +231,7 @@ class Engine:
         watch = self._watch
         with self._cond:
             handle, started = watch.running, watch.step_started
-            if handle is None or started is None or watch.abandoned:
-                return
-            if time.monotonic() - started <= self.step_timeout_s:
+            if handle is None or started is None or watch.abandoned or time.monotonic() - started <= self.step_timeout_s:
                 return
             message = f"graph call exceeded the {self.step_timeout_s:g} s step timeout"
             watch.abandoned, watch.stall = True, message
@@ -286,7 +283,6 @@ class Engine:
 
     def _run(self, handle: RequestHandle) -> None:
         """One request on the device, step by step until it ended. A fault ends it with an error, resets the cache."""
-        assert self._kv is not None and self._scheduler is not None
         try:
             if handle.cancelled.is_set():
                 self._retire(handle, self._finish(handle, "cancelled", prompt=0))
@@ -307,7 +303,6 @@ class Engine:
 
     def _start(self, handle: RequestHandle) -> None:
         """Admit `handle` to the device: its Sequence, what the cache already holds of its prompt, its prefill plan."""
-        assert self._kv is not None and self._scheduler is not None
         handle.started = time.monotonic()
         if handle.started > self._deadline(handle):  # it ran out between two watchdog sweeps of the queue
             self._expire(handle)
@@ -342,7 +337,6 @@ class Engine:
 
     def _step(self, step: Step) -> None:
         """Run one step, then postprocess: a decode step, or a prefill chunk (the prompt's last samples a token)."""
-        assert self._runner is not None and self._kv is not None
         seq = step.seq
         if isinstance(step, DecodeStep):
             # The held Delta goes out when the graph submits this step (see server.engine.runner: publish on submit).
@@ -370,7 +364,6 @@ class Engine:
 
     def _end(self, seq: Sequence, last: Delta | None = None) -> None:
         """`seq` ended (its reason set): its last token's Delta, the held-back text, then the Finish."""
-        assert self._scheduler is not None
         self._scheduler.remove(seq)
         tail, finish = seq.finish(self._watch.graph_calls, self._watch.device_s)
         self._retire(seq.handle, *(delta for delta in (last, tail) if delta is not None), finish)
