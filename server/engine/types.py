@@ -1,8 +1,6 @@
 """What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors.
 
-Deliberate choices:
-- Requests are built by keyword only, so a new optional field (a token constraint, `min_tokens`, ...) never
-  shifts another one.
+- Requests are built by keyword only, so a new optional field (`constraint`, `min_tokens`, ...) never shifts another.
 - The engine's errors carry what a caller needs (the state, a retry-after) and no HTTP: `api/` maps them to statuses.
 """
 
