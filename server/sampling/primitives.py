@@ -272,17 +272,11 @@ def draw(c: Candidates, rng: random.Random) -> int:
     return i if c.ids is None else int(c.ids[i])
 
 
-def raw_logprobs(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    softcap: float | None,
-    scratch: torch.Tensor | None = None,
-    max_id: int | None = None,
-) -> torch.Tensor:
+def raw_logprobs(x: torch.Tensor, ids: torch.Tensor, softcap: float | None, scratch: torch.Tensor | None = None,
+                 max_id: int | None = None) -> torch.Tensor:
     """log_softmax(cap(x))[ids] without materialising the log-softmax: one pass for the normaliser.
 
-    x: [V] logits after bias and penalties; ids: (n,); max_id: argmax of x when the caller knows it.
-    Returns (n,) float32.
+    x: [V] logits after bias and penalties; ids: (n,); max_id: argmax of x when the caller knows it. Returns (n,) float32.
     """
     buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
     if softcap is not None and softcap + math.log(x.numel()) < 80.0:

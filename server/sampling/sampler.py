@@ -88,11 +88,9 @@ class Sampler:
         self.vocab_size = vocab_size
         self.softcap = softcap
         self.rng = random.Random(params.seed)  # unseeded: fresh state from the OS
-        self._bias_ids: torch.Tensor | None = None
-        self._bias_values: torch.Tensor | None = None
-        if params.logit_bias:
-            self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)  # (b,)
-            self._bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)  # (b,)
+        bias = params.logit_bias
+        self._bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long) if bias else None  # (b,)
+        self._bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32) if bias else None  # (b,)
         # Only the history a penalty needs is kept: prompt + output for repetition, output for the OpenAI pair.
         self._seen = _SeenTokens(prompt_ids) if params.repetition_penalty != 1.0 else None
         wants_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
