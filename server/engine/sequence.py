@@ -104,24 +104,17 @@ class Sequence:
 
     def finish(self, graph_calls: int, device_s: float) -> tuple[Delta | None, Finish]:
         """Once `reason` is set: (the held-back text released, if any, and the Finish). Publishes nothing."""
-        reason = self.reason
+        reason, timed_out = self.reason, self.reason == "timeout"
         assert reason is not None, "finish() after the sequence ended"
-        counters = {"reused_tokens": self.reused_tokens, "prefill_calls": self.prefill_calls, "ttft_s": self.ttft_s,
-                    "graph_calls": graph_calls, "device_s": device_s}
-        prompt, completion = self.num_prompt_tokens, self.generated
+        tail: Delta | None = None
         if reason == "error":
             log.error("request %s: %s", self.handle.request.request_id, self.error)
-            return None, finish_event(self.handle, reason, prompt, completion, error=self.error, **counters)
-        timed_out = reason == "timeout"
-        if timed_out:
-            reason = "length"
-        tail: Delta | None = None
-        if reason != "stop" or self.grammar_done:
-            # Release what the detokenizer and the stop matcher were holding back for a continuation.
+        elif reason != "stop" or self.grammar_done:  # release what the detokenizer and the stop matcher held back
             text, hit = self._stops.push(self._detok.flush())
-            if hit:
-                reason = "stop"
-            else:
+            if not hit:
                 text += self._stops.flush()
+            reason = "stop" if hit else "length" if timed_out else reason  # a timeout is reported as "length"
             tail = Delta(text) if text else None
-        return tail, finish_event(self.handle, reason, prompt, completion, timed_out=timed_out, **counters)
+        return tail, finish_event(self.handle, reason, self.num_prompt_tokens, self.generated, graph_calls=graph_calls,
+                                  device_s=device_s, reused_tokens=self.reused_tokens, prefill_calls=self.prefill_calls,
+                                  ttft_s=self.ttft_s, error=self.error, timed_out=timed_out)
