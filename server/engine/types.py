@@ -29,9 +29,8 @@ class GenerationRequest:
     request_id: str = ""
     timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
     skip_special_tokens: bool = True
-    # What the output may be (server.constraints.constraint.ConstraintSpec: a grammar, banned ids, ...; None = free
-    # text, zero cost). A value: the engine builds a fresh matcher from it for each run, applied as a vocabulary mask
-    # each step and advanced with every token it accepts.
+    # What the output may be (a grammar, banned ids, ...; None = free text, zero cost): a value, from which each run
+    # gets a fresh matcher (Engine._constraint_for), applied as a vocabulary mask and advanced with every token.
     constraint: ConstraintSpec | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
     min_tokens: int = 0  # stop ids are masked out until this many tokens were generated

@@ -19,8 +19,7 @@ Order of operations (each step sees the previous step's output; steps 1-2 and th
                                        (seeded => reproducible), searched in the kept prefix sums
 
 Steps 5-9 run on a candidate list of one of two kinds, behind one small interface (`CandidateMath`): Python floats
-(`FLOATS`, a small top-k: a handful of torch calls instead of ~25, see `_PYTHON_TOP_K`) or tensors (`TENSORS`, any
-size). `_truncate` is their one definition for both.
+(`FLOATS`, a small top-k: see `_PYTHON_TOP_K`) or tensors (`TENSORS`, any size). `_truncate` defines them for both.
 
 Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these without measuring):
 - No full-vocabulary sort on the usual path. `torch.topk(x, 64)` costs ~1 ms and `torch.argmax` ~0.5 ms,
@@ -44,8 +43,7 @@ from server.sampling.params import SamplingParams
 
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256
-# First candidate count when top-k is off but top-p/min-p still truncate; grows 8x until the kept set fits.
-_FIRST_PROBE = 64
+_FIRST_PROBE = 64  # top-k off, min-p/top-p on: the first candidate count, grown 8x until the kept set fits
 _LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
 # Up to this top-k, steps 5-9 run on the k candidates as Python floats (`FLOATS`): a handful of torch calls
 # instead of ~25. What that buys is measured between device steps, where caches have gone cold and every torch
@@ -237,8 +235,7 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
         _sum_exp(x, softcap, inv_t, peak, buf)
         return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
 
-    # top-k off, yet min-p/top-p truncate: probe the best 64, 512, ... until the kept set provably fits inside,
-    # so a peaked distribution (the usual case) costs a small top-k, not a sort of 262k values.
+    # top-k off, yet min-p/top-p truncate: probe (see the module's choices), so a peaked distribution costs a small top-k.
     total: float | None = None  # sum of all weights over the vocabulary: what top-p alone is measured against
     probe = _FIRST_PROBE
     while probe < vocab:
