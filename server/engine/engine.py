@@ -242,10 +242,9 @@ class Engine:
     # ----------------------------------------------------------------- worker thread
 
     def _worker(self) -> None:
-        if not self._load():
-            return
-        while (handle := self._next_request()) is not None:
-            self._run(handle)
+        if self._load():
+            while (handle := self._next_request()) is not None:
+                self._run(handle)
 
     def _load(self) -> bool:
         """Load the graph and what drives it; a failure is reported on /health, never raised into the void."""

@@ -27,10 +27,6 @@ class KVSlot:
         self._rewind = rewind  # the graph's: forget positions >= p, answer where the next write must start
         self._kept: tuple[list[int], torch.Tensor] | None = None  # (the last prefilled prompt, its last logits [1, 1, V])
 
-    def __len__(self) -> int:
-        """The next position to write: where a decode step puts its token."""
-        return len(self.tokens)
-
     def reuse(self, prompt: Sequence[int], prefix_reuse: bool = True) -> tuple[int, torch.Tensor | None]:
         """Rewind the slot to what it can keep of `prompt`: (the position prefill starts at, the kept logits [1, 1, V]
         when the whole prompt is in the cache with its logits: then nothing is to be prefilled)."""

@@ -72,14 +72,13 @@ class Runner:
     def decode(self, kv: KVSlot, token: int, on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         """`token` into the slot at its next position: logits [1, 1, V]. `on_submit` publishes the previous token."""
         embeds = self.embedding.lookup([token])  # [1, 1, H]
-        logits = self._call(embeds, self._positions[len(kv)], last_only=True, publish=on_submit)
+        logits = self._call(embeds, self._positions[len(kv.tokens)], last_only=True, publish=on_submit)  # [1, 1, V]
         kv.tokens.append(token)
         return logits
 
     def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool,
               publish: Callable[[], None] | None = None) -> torch.Tensor:
-        """One graph call. `publish` runs when the graph submits its device work (see graphs.base), or after the call
-        if the graph failed before that; once either way."""
+        """One graph call; `publish` runs once: when the graph submits its device work, or after a failure before that."""
         watch = self._watch
         with self._lock:
             watch.step_started = started = time.monotonic()
