@@ -116,25 +116,22 @@ def _tensor_scale(values: torch.Tensor, softcap: float | None, inv_t: float) -> 
 
 
 class CandidateMath(Protocol):
-    """The five operations steps 5-9 need, on one kind of candidate list (`FLOATS` or `TENSORS`).
+    """The five operations steps 5-9 need, on one kind of candidate list (`FLOATS` or `TENSORS`). Both kinds do the same
+    operations in the same order (Python floats in double precision, tensors in float32), so the route changes a
+    token's weight by rounding only (tests/test_sampling.py compares the two).
 
-    Both kinds do the same operations in the same order (Python floats in double precision, tensors in float32), so
-    the route changes a token's weight by rounding only (tests/test_sampling.py compares the two)."""
+    scale: steps 5-6, cap * tanh(x / cap) (when a soft-cap applies), then times inv_t; a new sequence.
+    weights: exp(scaled - peak), unnormalised probabilities (the best one 1.0 when peak is its scaled logit).
+    cumsum: running sums of the weights, best first: what min-p/top-p cut and the draw searches.
+    count_at_least: how many weights are >= threshold (min-p: they are best first, so these are a prefix).
+    count_below: how many of cum[:n] are < target (<= with or_equal): a binary search, cum being ascending.
+    """
 
-    def scale(self, values: Any, softcap: float | None, inv_t: float) -> Any:
-        """Steps 5-6: cap * tanh(x / cap) (when a soft-cap applies), then times inv_t. A new sequence."""
-
-    def weights(self, scaled: Any, peak: float) -> Any:
-        """exp(scaled - peak): unnormalised probabilities, the best one 1.0 when peak is its scaled logit."""
-
-    def cumsum(self, weights: Any) -> Any:
-        """Running sums of `weights`, best first: what min-p/top-p cut and the draw searches."""
-
-    def count_at_least(self, weights: Any, threshold: float) -> int:
-        """How many weights are >= threshold (min-p: they are best first, so these are a prefix)."""
-
-    def count_below(self, cum: Any, target: float, n: int, *, or_equal: bool = False) -> int:
-        """How many of cum[:n] are < target (<= with or_equal): a binary search, cum being ascending."""
+    def scale(self, values: Any, softcap: float | None, inv_t: float) -> Any: ...
+    def weights(self, scaled: Any, peak: float) -> Any: ...
+    def cumsum(self, weights: Any) -> Any: ...
+    def count_at_least(self, weights: Any, threshold: float) -> int: ...
+    def count_below(self, cum: Any, target: float, n: int, *, or_equal: bool = False) -> int: ...
 
 
 class _FloatMath:
