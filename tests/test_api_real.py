@@ -14,7 +14,8 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from server.app.runtime import build_engine
-from server.engine.types import Completion, GenerationRequest, SamplingParams
+from server.engine.types import Completion, GenerationRequest
+from server.sampling.params import SamplingParams
 from tests.api_fixtures import LiveServer, hf_host, live_server, metric, settings
 
 MODEL = "gemma-test"

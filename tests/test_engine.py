@@ -20,8 +20,9 @@ from server.app.runtime import Host, build_engine, load_host
 from server.config import Settings
 from server.constraints.constraint import StopAfter
 from server.engine.engine import Engine
-from server.engine.types import Completion, Finish, GenerationRequest, QueueFull, SamplingParams
+from server.engine.types import Completion, Finish, GenerationRequest, QueueFull
 from server.graphs.base import Graph
+from server.sampling.params import SamplingParams
 from server.tools.export import export
 from tests.models import demo_dir, tiny_gemma4_checkpoint
 

@@ -16,9 +16,10 @@ import torch
 from server.api.service import engine_error
 from server.app.runtime import build_engine
 from server.engine.engine import Engine
-from server.engine.types import Finish, GenerationRequest, SamplingParams
+from server.engine.types import Finish, GenerationRequest
 from server.graphs.base import Graph
 from server.graphs.null import NullGraph
+from server.sampling.params import SamplingParams
 from tests.api_fixtures import SlowGraph, null_host, settings
 from tests.support.wait import until, wait_until
 

@@ -15,7 +15,8 @@ import torch
 
 from server.app.runtime import Host, build_engine, load_host
 from server.engine.engine import Engine
-from server.engine.types import Completion, Finish, GenerationRequest, SamplingParams
+from server.engine.types import Completion, Finish, GenerationRequest
+from server.sampling.params import SamplingParams
 from tests.test_recipe import BUCKET, MAX, H
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

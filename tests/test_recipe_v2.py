@@ -28,10 +28,11 @@ import torch
 from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.engine.buckets import plan_chunks
 from server.engine.engine import Engine
-from server.engine.types import Completion, Finish, GenerationRequest, SamplingParams
+from server.engine.types import Completion, Finish, GenerationRequest
 from server.errors import ArtifactError
 from server.graphs.jit import JitGraphV2
 from server.model.artifacts import GraphSpec, validate
+from server.sampling.params import SamplingParams
 from tests.models import tiny_gemma4_checkpoint
 from tests.recipe_helpers import SCRIPT
 

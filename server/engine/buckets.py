@@ -12,8 +12,6 @@ import functools
 import itertools
 from collections.abc import Sequence
 
-__all__ = ["buckets_of", "chunk_spans", "plan_chunks"]
-
 
 def buckets_of(graph: object) -> tuple[int, ...]:
     """A graph's prefill buckets: `prefill_buckets` when it has several, else its single `prefill_bucket`."""

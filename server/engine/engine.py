@@ -1,28 +1,14 @@
-"""The device owner: one thread runs the graph, a bounded FIFO feeds it, asyncio queues carry events back.
+"""The device owner: one worker thread runs the loop schedule -> run one step -> postprocess, a bounded FIFO feeds it,
+asyncio queues carry small events back (the HTTP layer formats them). Here: lifecycle, admission, the watchdog, and
+how a request ends.
 
-Per request: reuse the longest common prefix already in the graph's KV cache (chats re-send the whole
-conversation), prefill the rest in bucket-sized chunks, then decode until eos / stop string / max tokens /
-end of context / wall-clock limit. Between any two graph calls the worker checks for cancellation, so a
-client that goes away frees the device within one step.
-
-The worker's loop is schedule -> run one step -> postprocess: the scheduler (`scheduler`) picks the next graph call
-(a prefill chunk or a decode step), the runner (`runner`) makes it and records it in the KV slot (`kv`), and the
-running `Sequence` (`sequence`) takes the sampled token and says whether it ended. This module owns the rest: the
-lifecycle, admission, the watchdog, and how a request ends.
-
-Deliberate choices:
-- One worker thread, batch size 1: the device holds one KV cache; there is nothing to batch with. The queue is
-  FIFO, and the next request starts only once the running one ended.
-- The engine only emits small events; the HTTP layer formats them.
-- A request's Finish is the last thing that happens to it: its counts (`admitted`, `running`) are settled before the
-  Finish is published, however it ends (`_retire` is the one way out), so a caller holding a Finish never reads a
-  count that still includes its request.
-- A graph call that raises ends that request with an error event and resets the cache; the next request
-  runs. A graph call that stalls past `step_timeout_s` is abandoned by a watchdog: its request gets an
-  error at once (and no longer counts as running), the engine reports `error` until the call returns (Python
-  cannot interrupt it).
-- The request is a value; the engine builds what runs it (`_sequence`), its constraint matcher in one place
-  (`_constraint_for`).
+- Batch size 1, one worker thread: the device holds one KV cache; the next request starts once the running one ended.
+- `_retire` is the one way a request ends: it settles `admitted` and `running` before publishing the Finish, so a
+  caller holding a Finish never reads a count that still includes its request.
+- A graph call that raises ends its request with an error and resets the cache; the next request runs. One that
+  stalls past `step_timeout_s` is abandoned by the watchdog: its request gets an error at once, and the engine
+  reports `error` until the call returns (Python cannot interrupt it).
+- The request stays a value: each run's Sequence and constraint matcher are built here (`_sequence`, `_constraint_for`).
 """
 
 from __future__ import annotations
@@ -43,19 +29,11 @@ from server.engine.kv import KVSlot
 from server.engine.runner import Abandoned, DeviceWatch, Runner
 from server.engine.scheduler import DecodeStep, Scheduler, Step
 from server.engine.sequence import Sequence, finish_event
-from server.engine.types import (
-    Delta,
-    EngineNotReady,
-    Event,
-    Finish,
-    GenerationRequest,
-    QueueFull,
-    RequestHandle,
-    TokenConstraint,
-)
+from server.engine.types import Delta, EngineNotReady, Event, Finish, GenerationRequest, QueueFull, RequestHandle
 from server.graphs.base import Graph
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
+from server.sampling.params import TokenConstraint
 from server.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -67,20 +45,15 @@ log = logging.getLogger(__name__)
 class Engine:
     """Owns the graph. `start()` loads it on the worker thread (HTTP can listen meanwhile), then serves."""
 
-    def __init__(
-        self,
-        embedding: HostEmbedding,
-        tokenizer: object,
-        eos_token_ids: collections.abc.Sequence[int],
-        load_graph: Callable[[], Graph],
-        *,
-        max_queue: int = 16,
-        request_timeout_s: float = 600.0,
-        step_timeout_s: float = 120.0,
-        prefix_reuse: bool = True,
-        on_loaded: Callable[[], None] | None = None,
-        constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None,
-    ) -> None:
+    # Made by `_load` once the graph is in; only the worker thread uses them, and only after that.
+    _kv: KVSlot
+    _runner: Runner
+    _scheduler: Scheduler
+
+    def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
+                 load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
+                 step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
+                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -106,17 +79,12 @@ class Engine:
         self._submitted: dict[RequestHandle, None] = {}  # in submission order, until the caller has the Finish
         self._watch = DeviceWatch()
         self._threads: list[threading.Thread] = []
-        # Made once the graph is loaded (on the worker thread, which alone uses them).
-        self._kv: KVSlot | None = None
-        self._runner: Runner | None = None
-        self._scheduler: Scheduler | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        worker = threading.Thread(target=self._worker, name="device-owner", daemon=True)
-        watchdog = threading.Thread(target=self._watchdog, name="device-watchdog", daemon=True)
-        self._threads = [worker, watchdog]
+        self._threads = [threading.Thread(target=self._worker, name="device-owner", daemon=True),
+                         threading.Thread(target=self._watchdog, name="device-watchdog", daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -140,7 +108,6 @@ class Engine:
             return list(self._submitted)
 
     def cancel_all(self) -> None:
-        """Cancel every request in flight."""
         for handle in self.in_flight():
             handle.cancel()
 
@@ -211,11 +178,13 @@ class Engine:
 
     # ----------------------------------------------------------------- how a request ends (any thread)
 
-    def _finish(self, handle: RequestHandle, reason: str, prompt: int, completion: int, **extra: object) -> Finish:
-        """A Finish built outside its sequence (before it ran, or for a fault): the device counters if it ran."""
+    def _finish(self, handle: RequestHandle, reason: str, prompt: int | None = None, **extra: object) -> Finish:
+        """A Finish built outside its sequence (before it ran, or for a fault): no completion tokens, `prompt` the
+        prompt's length unless given, the device counters if it ran."""
         watch = self._watch
         ran = handle is watch.running and handle.started is not None
-        return finish_event(handle, reason, prompt, completion, graph_calls=watch.graph_calls if ran else 0,
+        prompt = len(handle.request.prompt_ids) if prompt is None else prompt
+        return finish_event(handle, reason, prompt, 0, graph_calls=watch.graph_calls if ran else 0,
                             device_s=watch.device_s if ran else 0.0, **extra)
 
     def _retire(self, handle: RequestHandle, *events: Event) -> None:
@@ -237,7 +206,7 @@ class Engine:
     def _expire(self, handle: RequestHandle) -> None:
         """End a request whose limit ran out before it reached the device: no work nobody can wait for."""
         log.warning("request %s hit its wall-clock limit while queued", handle.request.request_id)
-        self._retire(handle, self._finish(handle, "length", len(handle.request.prompt_ids), 0, timed_out=True))
+        self._retire(handle, self._finish(handle, "length", timed_out=True))
 
     # ----------------------------------------------------------------- watchdog thread
 
@@ -262,23 +231,20 @@ class Engine:
         watch = self._watch
         with self._cond:
             handle, started = watch.running, watch.step_started
-            if handle is None or started is None or watch.abandoned:
-                return
-            if time.monotonic() - started <= self.step_timeout_s:
+            if handle is None or started is None or watch.abandoned or time.monotonic() - started <= self.step_timeout_s:
                 return
             message = f"graph call exceeded the {self.step_timeout_s:g} s step timeout"
             watch.abandoned, watch.stall = True, message
-            finish = self._finish(handle, "error", len(handle.request.prompt_ids), 0, error=message)
+            finish = self._finish(handle, "error", error=message)
         log.error("request %s: %s; the device is marked unhealthy until it returns", handle.request.request_id, message)
         self._retire(handle, finish)
 
     # ----------------------------------------------------------------- worker thread
 
     def _worker(self) -> None:
-        if not self._load():
-            return
-        while (handle := self._next_request()) is not None:
-            self._run(handle)
+        if self._load():
+            while (handle := self._next_request()) is not None:
+                self._run(handle)
 
     def _load(self) -> bool:
         """Load the graph and what drives it; a failure is reported on /health, never raised into the void."""
@@ -311,15 +277,14 @@ class Engine:
             queued = list(self._queue)
             self._queue.clear()
         for handle in queued:  # nobody may wait forever on a request the engine will never run
-            self._retire(handle, self._finish(handle, "cancelled", len(handle.request.prompt_ids), 0))
+            self._retire(handle, self._finish(handle, "cancelled"))
         return None
 
     def _run(self, handle: RequestHandle) -> None:
         """One request on the device, step by step until it ended. A fault ends it with an error, resets the cache."""
-        assert self._kv is not None and self._scheduler is not None
         try:
             if handle.cancelled.is_set():
-                self._retire(handle, self._finish(handle, "cancelled", 0, 0))
+                self._retire(handle, self._finish(handle, "cancelled", prompt=0))
                 return
             self._start(handle)
             while (step := self._scheduler.schedule()) is not None:
@@ -329,8 +294,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - one request fails, the engine keeps serving
             log.exception("request %s failed in the graph", handle.request.request_id)
             self._kv.reset()
-            self._retire(handle, self._finish(handle, "error", len(handle.request.prompt_ids), 0,
-                                              error=f"{type(exc).__name__}: {exc}"))
+            self._retire(handle, self._finish(handle, "error", error=f"{type(exc).__name__}: {exc}"))
         finally:
             self._scheduler.clear()  # whatever ended it, nothing of this request runs any more
             with self._cond:
@@ -338,13 +302,12 @@ class Engine:
 
     def _start(self, handle: RequestHandle) -> None:
         """Admit `handle` to the device: its Sequence, what the cache already holds of its prompt, its prefill plan."""
-        assert self._kv is not None and self._scheduler is not None
         handle.started = time.monotonic()
         if handle.started > self._deadline(handle):  # it ran out between two watchdog sweeps of the queue
             self._expire(handle)
             return
         seq = self._sequence(handle)
-        seq.reused_tokens, kept = self._kv.reuse(seq.prompt_ids, self.prefix_reuse)
+        seq.reused_tokens, kept = self._kv.reuse(handle.request.prompt_ids, self.prefix_reuse)
         self._scheduler.add(seq, seq.reused_tokens)
         if kept is not None:  # the same prompt as the last one, all of it still in the cache: no prefill at all
             self._postprocess(seq, kept)
@@ -373,13 +336,12 @@ class Engine:
 
     def _step(self, step: Step) -> None:
         """Run one step, then postprocess: a decode step, or a prefill chunk (the prompt's last samples a token)."""
-        assert self._runner is not None and self._kv is not None
         seq = step.seq
         if isinstance(step, DecodeStep):
             # The held Delta goes out when the graph submits this step (see server.engine.runner: publish on submit).
-            logits = self._runner.decode(self._kv, seq.last_token, on_submit=seq.publish_pending)  # [1, 1, V]
+            logits = self._runner.decode(self._kv, seq.token_ids[-1], on_submit=seq.publish_pending)  # [1, 1, V]
         else:
-            if seq.cancelled:  # checked between any two prefill calls: the device is free within one
+            if seq.handle.cancelled.is_set():  # checked between any two prefill calls: the device is free within one
                 seq.reason = "cancelled"
                 self._end(seq)
                 return
@@ -387,7 +349,7 @@ class Engine:
             seq.prefill_calls += 1
             if not step.last:
                 return
-            self._kv.keep(seq.prompt_ids, logits)  # [1, 1, V]
+            self._kv.keep(seq.handle.request.prompt_ids, logits)  # [1, 1, V]
         self._postprocess(seq, logits)
 
     def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -401,7 +363,6 @@ class Engine:
 
     def _end(self, seq: Sequence, last: Delta | None = None) -> None:
         """`seq` ended (its reason set): its last token's Delta, the held-back text, then the Finish."""
-        assert self._scheduler is not None
         self._scheduler.remove(seq)
         tail, finish = seq.finish(self._watch.graph_calls, self._watch.device_s)
         self._retire(seq.handle, *(delta for delta in (last, tail) if delta is not None), finish)

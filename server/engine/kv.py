@@ -1,15 +1,10 @@
-"""The host's record of one KV slot of the graph: which token ids its cache holds, and the last prefill's logits.
+"""The host's record of one KV slot (the cache itself lives with the graph): the token ids it holds, to find the
+longest common prefix with the next prompt, and the last prefilled prompt's logits, so the same prompt again (the
+2nd..nth choice of a request, a regenerated answer) costs no graph call. One slot today; one per slot with contract v3.
 
-The cache itself lives with the graph (server.graphs.base); the engine only decides what to (re)compute, so it keeps
-the ids the cache holds (slot position = index) to find the longest common prefix with the next prompt, and the
-logits of the last prefilled prompt, so the same prompt again (the 2nd..nth choice of a request, a regenerated
-answer) costs no graph call at all. One instance today (one KV cache); one per slot with graph contract v3.
-
-Deliberate choices:
 - The last prompt token is always recomputed when its logits were not kept: they are what the first token is
   sampled from, and the graph does not hand back logits it computed earlier.
-- The graph has the last word on what it can keep (`rewind` answers where it can really continue: a transformers
-  sliding-window ring buffer cannot go back once it has wrapped).
+- The graph has the last word on what it can keep: `rewind` answers where it can really continue (server.graphs.base).
 """
 
 from __future__ import annotations
@@ -18,8 +13,6 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-
-__all__ = ["KVSlot"]
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +26,6 @@ class KVSlot:
         self.tokens: list[int] = []
         self._rewind = rewind  # the graph's: forget positions >= p, answer where the next write must start
         self._kept: tuple[list[int], torch.Tensor] | None = None  # (the last prefilled prompt, its last logits [1, 1, V])
-
-    def __len__(self) -> int:
-        """The next position to write: where a decode step puts its token."""
-        return len(self.tokens)
 
     def reuse(self, prompt: Sequence[int], prefix_reuse: bool = True) -> tuple[int, torch.Tensor | None]:
         """Rewind the slot to what it can keep of `prompt`: (the position prefill starts at, the kept logits [1, 1, V]
@@ -59,12 +48,6 @@ class KVSlot:
         """Remember a fully prefilled prompt's last logits [1, 1, V] for the same prompt again."""
         # A copy: a graph may hand back a view of an output buffer its next call overwrites.
         self._kept = (list(prompt), logits.clone())
-
-    def append(self, token: int) -> None:
-        self.tokens.append(token)
-
-    def extend(self, chunk: Sequence[int]) -> None:
-        self.tokens.extend(chunk)
 
     def reset(self) -> None:
         """Forget everything (after a fault: the cache's contents are no longer trusted)."""

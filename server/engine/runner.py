@@ -1,16 +1,12 @@
-"""The graph calls of one step: a prefill chunk or a decode step, timed for the watchdog, their KV recorded.
+"""`Runner`, the only caller of `graph.forward`: each call timed where the watchdog sees it (`DeviceWatch`), counted
+for the request, its KV recorded; `Abandoned` when the watchdog gave up on it meanwhile.
 
-`Runner` is the only caller of `graph.forward`. Each call marks its start where the watchdog sees it (`DeviceWatch`),
-counts the request's calls and device time, and raises `Abandoned` when the watchdog gave up on it meanwhile.
-
-The decode fast path (`Runner.decode`, measured; keep it when changing this file):
-- publish on submit: the previous token's Delta goes out from the graph's `on_submit` callback, once the step's
-  inputs are built and right before its device work (see server.graphs.base). Published earlier, the event loop
-  would take the GIL from this thread while it still builds the step's inputs; later, the client would wait for
-  the whole device step. A call that fails before submitting publishes it afterwards: no token is ever lost.
+The decode fast path (measured; keep it when changing this file):
+- publish on submit: the previous token's Delta goes out from the graph's `on_submit` callback, right before the
+  step's device work (why then: server.graphs.base; later, the client would wait for the whole device step). A call
+  that fails before submitting publishes it afterwards: no token is ever lost.
 - positions pre-built: one [1, 1] tensor per position, made once (a fresh `torch.tensor` per token is a call on
   the critical path).
-Prefill stays plain: one call per chunk, the chunks planned by server.engine.buckets.
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ from server.engine.kv import KVSlot
 from server.engine.types import RequestHandle
 from server.graphs.base import Graph
 from server.model.embedding import HostEmbedding
-
-__all__ = ["Abandoned", "DeviceWatch", "Runner"]
 
 
 class Abandoned(Exception):
@@ -72,20 +66,19 @@ class Runner:
         embeds = self.embedding.lookup(chunk)  # [1, T, H]
         positions = torch.arange(begin, end).unsqueeze(0)  # [1, T]
         logits = self._call(embeds, positions, last_only=last)
-        kv.extend(chunk)
+        kv.tokens.extend(chunk)
         return logits
 
     def decode(self, kv: KVSlot, token: int, on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         """`token` into the slot at its next position: logits [1, 1, V]. `on_submit` publishes the previous token."""
         embeds = self.embedding.lookup([token])  # [1, 1, H]
-        logits = self._call(embeds, self._positions[len(kv)], last_only=True, publish=on_submit)
-        kv.append(token)
+        logits = self._call(embeds, self._positions[len(kv.tokens)], last_only=True, publish=on_submit)  # [1, 1, V]
+        kv.tokens.append(token)
         return logits
 
     def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool,
               publish: Callable[[], None] | None = None) -> torch.Tensor:
-        """One graph call. `publish` runs when the graph submits its device work (see graphs.base), or after the call
-        if the graph failed before that; once either way."""
+        """One graph call; `publish` runs once: when the graph submits its device work, or after a failure before that."""
         watch = self._watch
         with self._lock:
             watch.step_started = started = time.monotonic()

@@ -1,12 +1,8 @@
-"""Which graph call runs next: one prefill chunk of the sequence that just started, or one decode step.
+"""Which graph call runs next: a prefill chunk of the sequence that just started, or a decode step.
 
-Today the device holds one KV cache, so one sequence runs at a time and the queue is FIFO (the engine takes the next
-request only when this one ended). Continuous batching (graph contract v3) changes this file and the runner: several
-running sequences, a prefill chunk for a newcomer or one decode step over all of them.
-
-Deliberate choices:
-- Prefill is planned once, when the sequence starts (server.engine.buckets: fewest calls, then least padding), and
-  runs one chunk per step, so the engine checks for cancellation between any two graph calls.
+Prefill is planned once, when the sequence starts (server.engine.buckets), and runs one chunk per step, so the engine
+checks for cancellation between any two graph calls. One sequence at a time today (one KV cache); continuous batching
+(graph contract v3) changes this file and the runner: several sequences, a newcomer's chunk or one decode over all.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ from dataclasses import dataclass
 from server.engine.buckets import chunk_spans
 from server.engine.sequence import Sequence
 
-__all__ = ["DecodeStep", "PrefillStep", "Scheduler", "Step"]
-
 
 @dataclass(frozen=True, slots=True)
 class PrefillStep:
@@ -28,11 +22,7 @@ class PrefillStep:
     seq: Sequence
     begin: int
     end: int
-
-    @property
-    def last(self) -> bool:
-        """The prompt's last chunk: its logits are what the first token is sampled from."""
-        return self.end >= self.seq.num_prompt_tokens
+    last: bool  # the prompt's last chunk: its logits are what the first token is sampled from
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +57,8 @@ class Scheduler:
         if seq is None:
             return None
         if self._chunks:
-            return PrefillStep(seq, *self._chunks.popleft())
+            begin, end = self._chunks.popleft()
+            return PrefillStep(seq, begin, end, last=not self._chunks)
         return self._decode
 
     def remove(self, seq: Sequence) -> None:

@@ -1,11 +1,6 @@
-"""`Sequence`: one request on the device, everything the engine advances per token, with the verbs that advance it.
+"""`Sequence`: the engine's state for running one request, and the verbs that advance it token by token
+(`append`, then `finish` once `reason` is set). It never calls the graph.
 
-The request (server.engine.types.GenerationRequest) is what `api/` asked for; a Sequence is the engine's state for
-running it: its token ids, its sampler, detokenizer, stop matcher and constraint, its budget and deadline, its counters
-and timings, and the handle its events go out through. The engine's loop calls `append` with each sampled token and
-`finish` once `reason` is set; the sequence never calls the graph.
-
-Deliberate choices:
 - A token a constraint rejects is never emitted (an llguidance error state: the mask allowed nothing it accepts).
 - A stop id is emitted as an empty Delta (its id, no text); a stop string's text is cut where the stop begins.
 - A grammar that finished allows only a stop id: the sequence ends there, with no device step to sample it.
@@ -19,13 +14,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from server.engine.types import Delta, Finish, RequestHandle, TokenConstraint, TokenLogprob
+from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob
 
 if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
     from server.model.detok import IncrementalDetokenizer, StopMatcher
+    from server.sampling.params import TokenConstraint
     from server.sampling.sampler import Sampler, SampleResult
-
-__all__ = ["Sequence", "finish_event"]
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +64,6 @@ class Sequence:
         self._eos_ids = eos_ids
         self._ignore_eos = request.ignore_eos
 
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def last_token(self) -> int:
-        """What the next decode step feeds the graph."""
-        return self.token_ids[-1]
-
-    @property
-    def cancelled(self) -> bool:
-        return self.handle.cancelled.is_set()
-
     def append(self, result: SampleResult) -> Delta | None:
         """Advance everything by one sampled token: its Delta (None when it must not be emitted); sets `reason`
         when the sequence ends with it."""
@@ -113,7 +94,7 @@ class Sequence:
             log.warning("request %s hit its %g s wall-clock limit after %d tokens",
                         self.handle.request.request_id, self.deadline - self.handle.submitted, self.generated)
             return "timeout"
-        return "cancelled" if self.cancelled else None
+        return "cancelled" if self.handle.cancelled.is_set() else None
 
     def publish_pending(self) -> None:
         """The held Delta out to the caller (the runner calls this when the next graph call submits)."""
@@ -123,24 +104,17 @@ class Sequence:
 
     def finish(self, graph_calls: int, device_s: float) -> tuple[Delta | None, Finish]:
         """Once `reason` is set: (the held-back text released, if any, and the Finish). Publishes nothing."""
-        reason = self.reason
+        reason, timed_out = self.reason, self.reason == "timeout"
         assert reason is not None, "finish() after the sequence ended"
-        counters = {"reused_tokens": self.reused_tokens, "prefill_calls": self.prefill_calls, "ttft_s": self.ttft_s,
-                    "graph_calls": graph_calls, "device_s": device_s}
-        prompt, completion = self.num_prompt_tokens, self.generated
+        tail: Delta | None = None
         if reason == "error":
             log.error("request %s: %s", self.handle.request.request_id, self.error)
-            return None, finish_event(self.handle, reason, prompt, completion, error=self.error, **counters)
-        timed_out = reason == "timeout"
-        if timed_out:
-            reason = "length"
-        tail: Delta | None = None
-        if reason != "stop" or self.grammar_done:
-            # Release what the detokenizer and the stop matcher were holding back for a continuation.
+        elif reason != "stop" or self.grammar_done:  # release what the detokenizer and the stop matcher held back
             text, hit = self._stops.push(self._detok.flush())
-            if hit:
-                reason = "stop"
-            else:
+            if not hit:
                 text += self._stops.flush()
+            reason = "stop" if hit else "length" if timed_out else reason  # a timeout is reported as "length"
             tail = Delta(text) if text else None
-        return tail, finish_event(self.handle, reason, prompt, completion, timed_out=timed_out, **counters)
+        return tail, finish_event(self.handle, reason, self.num_prompt_tokens, self.generated, graph_calls=graph_calls,
+                                  device_s=device_s, reused_tokens=self.reused_tokens, prefill_calls=self.prefill_calls,
+                                  ttft_s=self.ttft_s, error=self.error, timed_out=timed_out)

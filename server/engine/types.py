@@ -1,8 +1,6 @@
 """What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors.
 
-Deliberate choices:
-- Requests are built by keyword only, so a new optional field (a token constraint, `min_tokens`, ...) never
-  shifts another one.
+- Requests are built by keyword only, so a new optional field (`constraint`, `min_tokens`, ...) never shifts another.
 - The engine's errors carry what a caller needs (the state, a retry-after) and no HTTP: `api/` maps them to statuses.
 """
 
@@ -16,11 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from server.sampling.params import SamplingParams
+
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
-
-# The sampler's inputs live below the engine (server.sampling.params); re-exported here for api/ and callers.
-from server.sampling.params import GREEDY_EPS, SamplingParams, TokenConstraint  # noqa: F401 - GREEDY_EPS too
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,9 +29,8 @@ class GenerationRequest:
     request_id: str = ""
     timeout_s: float | None = None  # wall-clock limit from submission; None = the engine's default
     skip_special_tokens: bool = True
-    # What the output may be (server.constraints.constraint.ConstraintSpec: a grammar, banned ids, ...; None = free
-    # text, zero cost). A value: the engine builds a fresh matcher from it for each run, applied as a vocabulary mask
-    # each step and advanced with every token it accepts.
+    # What the output may be (a grammar, banned ids, ...; None = free text, zero cost): a value, from which each run
+    # gets a fresh matcher (Engine._constraint_for), applied as a vocabulary mask and advanced with every token.
     constraint: ConstraintSpec | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
     min_tokens: int = 0  # stop ids are masked out until this many tokens were generated
@@ -118,13 +114,10 @@ class RequestHandle:
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.finished = False  # set by the worker side once a Finish was sent
         self.delivered = False  # set on the caller's side once the Finish was received
 
     def publish(self, event: Event) -> None:
         """The worker side: hand one event to the caller's event loop (thread-safe)."""
-        if isinstance(event, Finish):
-            self.finished = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
@@ -132,13 +125,10 @@ class RequestHandle:
         self.cancelled.set()
 
     async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._events.get()
-            if isinstance(event, Finish):
-                self.delivered = True
-                yield event
-                return
+        while not isinstance(event := await self._events.get(), Finish):
             yield event
+        self.delivered = True
+        yield event
 
     async def result(self) -> Completion:
         """Wait for the whole generation (non-streaming callers)."""

@@ -1,9 +1,5 @@
-"""Applying a constraint's vocabulary mask to a row of logits: the torch side of server/constraints/.
-
-The sampler calls `TokenMask.apply_(constraint, logits)` on its own scratch row (never the graph's buffer) after
-logit_bias and penalties and before greedy/top-k: disallowed tokens become -inf, so every later step (argmax,
-top-k, soft-cap, temperature, top-p, the draw) sees only allowed tokens, and raw logprobs are those of the
-constrained distribution. Requests without a constraint never get here.
+"""Applying a constraint's vocabulary mask to a row of logits (the torch side of server/constraints/): disallowed
+tokens become -inf, so every later sampling step sees only allowed tokens and raw logprobs are the constrained ones.
 
 A mask becomes a plan: the ids to keep (when few are allowed: a grammar's structure) or the ids to ban (when few
 are not: free text inside a string), found from the mask's 32-bit words without expanding all 262,144 bits unless

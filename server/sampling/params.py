@@ -1,16 +1,12 @@
 """What a request asks of the sampler, as values: `SamplingParams`, and `TokenConstraint`, the interface a constraint
-answers (a vocabulary mask per step, advanced token by token).
-
-Torch-free, and below the engine in the import layers: `server.engine.types` re-exports these for `api/`, so the
-sampler never imports the engine.
+answers (a vocabulary mask per step, advanced token by token). Torch-free, below the engine: the sampler never
+imports the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-__all__ = ["GREEDY_EPS", "SamplingParams", "TokenConstraint"]
 
 # Below this temperature we decode greedily: dividing by a tiny temperature overflows float32 (vLLM does the same).
 GREEDY_EPS = 1e-5

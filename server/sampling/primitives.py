@@ -19,14 +19,13 @@ Order of operations (each step sees the previous step's output; steps 1-2 and th
                                        (seeded => reproducible), searched in the kept prefix sums
 
 Steps 5-9 run on a candidate list of one of two kinds, behind one small interface (`CandidateMath`): Python floats
-(`FLOATS`, a small top-k) or tensors (`TENSORS`, any size). `_truncate` is their one definition for both.
+(`FLOATS`, a small top-k: see `_PYTHON_TOP_K`) or tensors (`TENSORS`, any size). `_truncate` defines them for both.
 
 Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these without measuring):
 - No full-vocabulary sort on the usual path. `torch.topk(x, 64)` costs ~1 ms and `torch.argmax` ~0.5 ms,
   while a streaming max over 64-wide blocks costs ~0.04 ms; `topk`/`argmax` below use the block maxima.
 - top-k off with top-p/min-p: probe the best 64, 512, ... tokens until the kept set provably fits; only a
   near-flat distribution falls back to the full sort.
-- A small top-k's steps 5-9 on Python floats: a handful of torch calls instead of ~25 (see `_PYTHON_TOP_K`).
 - No function here modifies its input row; full-vocabulary passes write into a caller's scratch row when given one.
 """
 
@@ -44,8 +43,7 @@ from server.sampling.params import SamplingParams
 
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256
-# First candidate count when top-k is off but top-p/min-p still truncate; grows 8x until the kept set fits.
-_FIRST_PROBE = 64
+_FIRST_PROBE = 64  # top-k off, min-p/top-p on: the first candidate count, grown 8x until the kept set fits
 _LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
 # Up to this top-k, steps 5-9 run on the k candidates as Python floats (`FLOATS`): a handful of torch calls
 # instead of ~25. What that buys is measured between device steps, where caches have gone cold and every torch
@@ -65,18 +63,6 @@ def _topk_block(k: int) -> int:
     return 0
 
 
-def _block_topk(x: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`topk`'s two stages: (values best first, their positions among the gathered blocks, the blocks), or None
-    where blocks do not apply."""
-    n = x.numel()
-    if not block or n % block or n // block < 2 * k or not x.is_contiguous():
-        return None
-    blocks = x.view(-1, block)  # (V/B, B)
-    top_blocks = torch.topk(blocks.amax(1), k, sorted=False).indices  # (k,)
-    values, pos = torch.topk(blocks.index_select(0, top_blocks).view(-1), k)  # (k,), (k,) into (k*B,)
-    return values, pos, top_blocks
-
-
 def topk(x: torch.Tensor, k: int, block: int | None = None, *, as_lists: bool = False) -> tuple[Any, Any]:
     """Exact top-k of a 1-D tensor: (values best first, indices), without torch.topk over all of it.
 
@@ -87,11 +73,13 @@ def topk(x: torch.Tensor, k: int, block: int | None = None, *, as_lists: bool = 
     as_lists: Python lists, the ids computed in Python (five fewer torch calls for a small k).
     """
     block = _topk_block(k) if block is None else block
-    staged = _block_topk(x, k, block)
-    if staged is None:
+    n = x.numel()
+    if not block or n % block or n // block < 2 * k or not x.is_contiguous():
         values, ids = torch.topk(x, k)  # small, odd-sized or huge-k cases: the direct route
         return (values.tolist(), ids.tolist()) if as_lists else (values, ids)
-    values, pos, top_blocks = staged
+    blocks = x.view(-1, block)  # (V/B, B)
+    top_blocks = torch.topk(blocks.amax(1), k, sorted=False).indices  # (k,)
+    values, pos = torch.topk(blocks.index_select(0, top_blocks).view(-1), k)  # (k,), (k,) into (k*B,)
     if as_lists:
         starts = top_blocks.tolist()
         return values.tolist(), [starts[p // block] * block + p % block for p in pos.tolist()]
@@ -128,36 +116,26 @@ def _tensor_scale(values: torch.Tensor, softcap: float | None, inv_t: float) -> 
 
 
 class CandidateMath(Protocol):
-    """The five operations steps 5-9 need, on one kind of candidate list (`FLOATS` or `TENSORS`).
+    """The five operations steps 5-9 need, on one kind of candidate list (`FLOATS` or `TENSORS`). Both kinds do the same
+    operations in the same order (Python floats in double precision, tensors in float32), so the route changes a
+    token's weight by rounding only (tests/test_sampling.py compares the two).
 
-    Both kinds do the same operations in the same order (Python floats in double precision, tensors in float32), so
-    the route changes a token's weight by rounding only (tests/test_sampling.py compares the two)."""
+    scale: steps 5-6, cap * tanh(x / cap) (when a soft-cap applies), then times inv_t; a new sequence.
+    weights: exp(scaled - peak), unnormalised probabilities (the best one 1.0 when peak is its scaled logit).
+    cumsum: running sums of the weights, best first: what min-p/top-p cut and the draw searches.
+    count_at_least: how many weights are >= threshold (min-p: they are best first, so these are a prefix).
+    count_below: how many of cum[:n] are < target (<= with or_equal): a binary search, cum being ascending.
+    """
 
-    def scale(self, values: Any, softcap: float | None, inv_t: float) -> Any:
-        """Steps 5-6: cap * tanh(x / cap) (when a soft-cap applies), then times inv_t. A new sequence."""
-        ...
-
-    def weights(self, scaled: Any, peak: float) -> Any:
-        """exp(scaled - peak): unnormalised probabilities, the best one 1.0 when peak is its scaled logit."""
-        ...
-
-    def cumsum(self, weights: Any) -> Any:
-        """Running sums of `weights`, best first: what min-p/top-p cut and the draw searches."""
-        ...
-
-    def count_at_least(self, weights: Any, threshold: float) -> int:
-        """How many weights are >= threshold (min-p: they are best first, so these are a prefix)."""
-        ...
-
-    def count_below(self, cum: Any, target: float, n: int, *, or_equal: bool = False) -> int:
-        """How many of cum[:n] are < target (<= with or_equal): a binary search, cum being ascending."""
-        ...
+    def scale(self, values: Any, softcap: float | None, inv_t: float) -> Any: ...
+    def weights(self, scaled: Any, peak: float) -> Any: ...
+    def cumsum(self, weights: Any) -> Any: ...
+    def count_at_least(self, weights: Any, threshold: float) -> int: ...
+    def count_below(self, cum: Any, target: float, n: int, *, or_equal: bool = False) -> int: ...
 
 
 class _FloatMath:
     """Candidates as Python lists of floats: for a small top-k, far fewer calls than torch on a handful of values."""
-
-    __slots__ = ()
 
     def scale(self, values: list[float], softcap: float | None, inv_t: float) -> list[float]:
         if softcap is not None:
@@ -179,8 +157,6 @@ class _FloatMath:
 
 class _TensorMath:
     """Candidates as 1-D float32 tensors (m,): any number of them, up to the whole vocabulary."""
-
-    __slots__ = ()
 
     def scale(self, values: torch.Tensor, softcap: float | None, inv_t: float) -> torch.Tensor:
         return _tensor_scale(values, softcap, inv_t)  # (m,) a new tensor
@@ -256,8 +232,7 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
         _sum_exp(x, softcap, inv_t, peak, buf)
         return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
 
-    # top-k off, yet min-p/top-p truncate: probe the best 64, 512, ... until the kept set provably fits inside,
-    # so a peaked distribution (the usual case) costs a small top-k, not a sort of 262k values.
+    # top-k off, yet min-p/top-p truncate: probe (see the module's choices), so a peaked distribution costs a small top-k.
     total: float | None = None  # sum of all weights over the vocabulary: what top-p alone is measured against
     probe = _FIRST_PROBE
     while probe < vocab:
@@ -291,17 +266,11 @@ def draw(c: Candidates, rng: random.Random) -> int:
     return i if c.ids is None else int(c.ids[i])
 
 
-def raw_logprobs(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    softcap: float | None,
-    scratch: torch.Tensor | None = None,
-    max_id: int | None = None,
-) -> torch.Tensor:
+def raw_logprobs(x: torch.Tensor, ids: torch.Tensor, softcap: float | None, scratch: torch.Tensor | None = None,
+                 max_id: int | None = None) -> torch.Tensor:
     """log_softmax(cap(x))[ids] without materialising the log-softmax: one pass for the normaliser.
 
-    x: [V] logits after bias and penalties; ids: (n,); max_id: argmax of x when the caller knows it.
-    Returns (n,) float32.
+    x: [V] logits after bias and penalties; ids: (n,); max_id: argmax of x when the caller knows it. Returns (n,) float32.
     """
     buf = scratch if scratch is not None else torch.empty_like(x)  # (V,)
     if softcap is not None and softcap + math.log(x.numel()) < 80.0:

@@ -1,25 +1,19 @@
-"""`Sampler`: one request's sampling state, choosing the next token from one row of logits, cheaply, on the host CPU.
+"""`Sampler`: one request's sampling state, choosing the next token from one row of logits on the host CPU (the steps
+and their order: server.sampling.primitives). It owns what needs per-request state: steps 1-2 (logit_bias, penalties:
+the token counts seen so far), the constraint's mask, min_tokens, the seeded random generator, and logprobs.
 
-The graph hands back raw logits over Gemma's 262,144-token vocabulary; the host has two cores, so each token's
-sampling cost matters. The steps and their order are listed in server.sampling.primitives (the pure functions
-steps 3-9 are made of); the sampler owns what needs per-request state: steps 1-2 (logit_bias, penalties: the
-token counts seen so far), the constraint's mask, min_tokens, the seeded random generator, and logprobs.
-
-A request's constraint (server.constraints) is applied between 2 and 3: disallowed tokens become -inf
-(server.sampling.mask), and the soft-cap is applied to the allowed ones in the same pass, so -inf stays -inf
-(cap(-inf) would be -30: a masked token would keep a tiny probability). Steps 3-9 then see an already capped row.
-min_tokens masks the stop ids the same way until enough tokens were generated.
-
-logprobs are vLLM's default "raw" ones: log-softmax over the whole vocabulary of the logits after steps 1,
-2 and 5 (bias, penalties, soft-cap), before temperature and truncation.
+The constraint's mask (server.sampling.mask) goes between steps 2 and 3, with the soft-cap applied to the allowed
+tokens in the same pass, so -inf stays -inf (cap(-inf) would be -30: a masked token would keep a tiny probability);
+steps 3-9 then see an already capped row. min_tokens bans the stop ids the same way until enough tokens were
+generated. logprobs are vLLM's default "raw" ones: log-softmax over the whole vocabulary of the logits after steps
+1, 2 and 5 (bias, penalties, soft-cap), before temperature and truncation.
 
 Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these without measuring):
 - The caller's logits are never modified (a graph may hand back the same buffer every step). Bias and
   penalties write into a per-request scratch row, so no call allocates more than one vocabulary-sized tensor.
 - Penalties touch only the seen token ids (index ops over distinct ids kept as tensors).
 - One uniform per draw from Python's `random.Random` (seeded per request): no torch call for it.
-- Torch's intra-op threads: with 2 threads these ops stall for milliseconds whenever the other core is busy
-  (thread-pool hand-off); single-threaded they are steady. That is process-wide policy, left to the caller.
+- Torch's intra-op threads are process-wide policy, left to the caller (server.app.process: single-threaded).
 """
 
 from __future__ import annotations
@@ -93,26 +87,21 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.softcap = softcap
-        # One uniform per token is all a draw needs; Python's generator gives it without a torch call. Unseeded
-        # requests get fresh state from the OS.
-        self.rng = random.Random(params.seed)
-        self._bias_ids: torch.Tensor | None = None
-        self._bias_values: torch.Tensor | None = None
-        if params.logit_bias:
-            self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)  # (b,)
-            self._bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)  # (b,)
+        self.rng = random.Random(params.seed)  # unseeded: fresh state from the OS
+        bias = params.logit_bias
+        self._bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long) if bias else None  # (b,)
+        self._bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32) if bias else None  # (b,)
         # Only the history a penalty needs is kept: prompt + output for repetition, output for the OpenAI pair.
         self._seen = _SeenTokens(prompt_ids) if params.repetition_penalty != 1.0 else None
         wants_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self._output = _SeenTokens() if wants_counts else None
         self._adjusts = self._bias_ids is not None or self._seen is not None or self._output is not None
-        # Scratch rows, one allocation per request and reused every step, so the caller's logits stay untouched
-        # and no step allocates more than one vocabulary-sized tensor: the adjusted logits, and a row for the
-        # full-vocabulary passes (the logprob normaliser; top-k off).
+        # Scratch rows, allocated once per request and reused every step (the caller's logits stay untouched): the
+        # adjusted logits, a row for the full-vocabulary passes (the logprob normaliser; top-k off), and a row for
+        # the masks when there is no adjusted row to mask in place.
         top_k_off = not params.greedy and not 0 < params.top_k < vocab_size
         self._adjusted = torch.empty(vocab_size) if self._adjusts else None  # (V,)
         self._scratch = torch.empty(vocab_size) if params.logprobs or top_k_off else None  # (V,)
-        # The constraint and min_tokens mask a copy of the adjusted row (the caller's logits stay untouched).
         self.constraint = constraint
         self._min_tokens = min_tokens
         self._generated = 0

@@ -187,7 +187,7 @@ def _running_engine(host: Host, *, prefix_reuse: bool = True) -> Engine:
 
 def measure_engine(host: Host, tokens: int) -> dict[str, float]:
     """The engine alone (no HTTP): per-token gap between events, instant null graph, in this process."""
-    from server.engine.types import Delta, GenerationRequest, SamplingParams
+    from server.engine.types import Delta, GenerationRequest
 
     engine = _running_engine(host)
     results: dict[str, float] = {}
@@ -210,7 +210,7 @@ def measure_engine(host: Host, tokens: int) -> dict[str, float]:
 
 def measure_prefix_reuse(host: Host) -> dict[str, float]:
     """A 3-turn chat re-sending the whole conversation each turn: prefill calls of turn 3, with and without reuse."""
-    from server.engine.types import Completion, GenerationRequest, SamplingParams
+    from server.engine.types import Completion, GenerationRequest
 
     results: dict[str, float] = {}
     for reuse in (True, False):
