@@ -1,25 +1,19 @@
-"""Token-level constraints: what a request allows the model to write, enforced as a vocabulary mask every step.
+"""A request's constraint as a value (`ConstraintSpec`) and as the matchers built from it, and the `CallFormat` a chat
+protocol fills in.
 
 Two halves, so that a request stays a value:
-- the value, `ConstraintSpec` (`Grammar`, `BannedIds` or `StopAfter`): frozen, what is allowed. The API plans it from
-  the request with `plan_constraint(...)` (None for a request without one: zero cost), which compiles any grammar
-  once up front (a bad schema is a 400 before the response starts; the compiled grammar stays cached);
+- the value, `Grammar`, `BannedIds` or `StopAfter`: frozen, what is allowed. The API plans it from the request with
+  `plan_constraint(...)` (planner.py; None for a request without one: zero cost), which compiles any grammar once up
+  front (a bad schema is a 400 before the response starts; the compiled grammar stays cached);
 - the matcher, a `Constraint`: stateful, built from the value by `build_matcher(vocab, spec)` for each run (the
   engine's: a request can be run again, after a cache reset, from the same value). Per step `fill_mask(bitmask)`
   (1 bit per token id, set = allowed), the sampler sets every disallowed logit to -inf (server/sampling/mask.py, the
   only part that touches torch), and `accept(token_id)` advances it. `is_finished` says that only a stop id can follow.
 
-Sources of constraints:
-- `response_format` `json_object` / `json_schema`: llguidance's JSON-schema compiler (json_schema.py), optionally
-  after a thought channel when thinking is on;
-- tool calls with `tool_choice` "required" or a named function: the grammar of the protocol's calls to the declared
-  functions (`CallFormat.call_grammar`: the model family's own syntax, e.g. server/protocol/gemma4_grammar.py);
-- `tool_choice` "none": the call-opening token is banned (no grammar);
-- `tool_choice` "auto" with `parallel_tool_calls: false`: free until the first call closes, then only a stop id.
-
-This package knows no model family: the markers and the call grammar come from the chat protocol through the small
-`CallFormat` interface below. Torch-free, so the API layer can plan and validate constraints. Why llguidance, and
-what its vocabulary costs: vocab.py.
+Sources: `response_format` json_object / json_schema (json_schema.py, after a thought channel when thinking is on);
+`tool_choice` "required" or a named function: the protocol's grammar of calls to the declared functions
+(`CallFormat.call_grammar`); "none": the call-opening token banned; "auto" with `parallel_tool_calls: false`: free
+until the first call closes, then only a stop id. Why llguidance, and what its vocabulary costs: vocab.py.
 """
 
 from __future__ import annotations

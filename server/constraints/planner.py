@@ -1,27 +1,16 @@
 """Planning a request's constraint: OpenAI's `response_format`, `tools`, `tool_choice` and `parallel_tool_calls` as one
-`ConstraintSpec` value (or None), any grammar compiled once so that what cannot be enforced is the request's 400.
-
-Model-independent: the call syntax, its markers and the thought channel come from the chat protocol's `CallFormat`.
-"""
+`ConstraintSpec` value (or None), any grammar compiled once so that what cannot be enforced is the request's 400."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.constraints.constraint import (
-    BannedIds,
-    CallFormat,
-    ConstraintError,
-    ConstraintSpec,
-    Grammar,
-    StopAfter,
-    function_of,
-    with_thought,
-)
+from server.constraints.constraint import BannedIds, ConstraintError, Grammar, StopAfter, function_of, with_thought
 from server.constraints.json_schema import json_grammar
 
 if TYPE_CHECKING:
+    from server.constraints.constraint import CallFormat, ConstraintSpec
     from server.constraints.vocab import GrammarVocab
 
 
@@ -79,5 +68,3 @@ def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | M
     if name not in {function_of(tool)["name"] for tool in tools or ()}:
         raise ConstraintError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     return "named"
-
-
