@@ -8,13 +8,9 @@ The format (Google's Gemma-4 prompt-formatting guide; the public Gemma-4 parsers
   bare keys, strings between `<|"|>` tokens, other values as in JSON; results come back in the same model turn as
   `<|tool_response>response:NAME{...}<tool_response|>` (a stop id: the model waits for the result there).
 
-Request side (`Gemma4Protocol.prompt_inputs`): OpenAI messages as the template takes them: tool-call arguments parsed
-into objects, `role: "tool"` messages given the called function's `name` (found by `tool_call_id`) and their content
-parsed when it is a JSON object (the template renders objects natively), `enable_thinking` from
-`chat_template_kwargs` / `reasoning_effort` ("none" = off; default off).
-
-Constraint side: `Gemma4Protocol.calls` is the call grammar (gemma4_grammar.py) and `stop_tokens` are `<turn|>` and
-`<|tool_response>`.
+Request side (`Gemma4Protocol.prompt_inputs`): `role: "tool"` messages are given the called function's `name` (found
+by `tool_call_id`) and their content parsed when it is a JSON object (the template renders objects natively);
+thinking is off by default. The call grammar, for forced tool calls: gemma4_grammar.py.
 
 Response side (`Gemma4Parser`): fed the text decoded *with* special tokens, in chunks split anywhere. Deliberate
 choices (tests/test_protocol_gemma4.py pins each):

@@ -1,10 +1,5 @@
-"""Gemma-4's tool calls as a grammar: what the constraint planner enforces under a forced `tool_choice`.
-
-`GEMMA4_CALLS` is the protocol's `CallFormat` (server.constraints.constraint): the marker texts of gemma4.py, the
-thought channel, and `call_grammar`, which writes Lark for `(thought)? <|tool_call>call:NAME{...}<tool_call|>` (one or
-more; exactly one with `parallel_tool_calls: false`) to the declared functions, whose arguments follow Gemma's syntax
-and the function's JSON schema (`GemmaGrammar`, a bounded converter: unsupported keywords raise `ConstraintError`).
-"""
+"""Gemma-4's tool calls as a grammar, what the constraint planner enforces under a forced `tool_choice`: `GEMMA4_CALLS`
+is the protocol's `CallFormat`, its arguments written by `GemmaGrammar` (a bounded JSON-schema converter)."""
 
 from __future__ import annotations
 
@@ -18,21 +13,6 @@ from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL
 
 if TYPE_CHECKING:
     from server.constraints.vocab import ConstraintLimits, GrammarVocab
-
-
-class Gemma4Calls:
-    """Gemma-4's `CallFormat`."""
-
-    call_open = CALL_OPEN
-    call_close = CALL_CLOSE
-    thought = (CHANNEL_OPEN, CHANNEL_CLOSE)
-
-    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
-                     parallel: bool, thought: bool) -> str:
-        return tool_call_grammar(vocab, tools, names, parallel=parallel, thought=thought)
-
-
-GEMMA4_CALLS = Gemma4Calls()
 
 
 def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
@@ -60,6 +40,18 @@ def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], n
     body = "call+" if parallel else "call"
     head = with_thought(vocab, body, Gemma4Calls.thought if thought else None)
     return head + call + "\n" + "\n".join(builder.rules) + "\n"
+
+
+class Gemma4Calls:
+    """Gemma-4's `CallFormat` (server.constraints.constraint)."""
+
+    call_open = CALL_OPEN
+    call_close = CALL_CLOSE
+    thought = (CHANNEL_OPEN, CHANNEL_CLOSE)
+    call_grammar = staticmethod(tool_call_grammar)
+
+
+GEMMA4_CALLS = Gemma4Calls()
 
 
 def _literal(text: str) -> str:
