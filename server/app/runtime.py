@@ -36,10 +36,7 @@ class Host:
     model_name: str
     protocol: ChatProtocol  # the model family's chat format, detected once from the tokenizer
     stop_token_ids: tuple[int, ...]  # eos, the generation config's stops and the protocol's (`stop_ids`)
-    # The grammar vocabulary (built on first use, or at start-up unless --lazy-grammar): the API waits for it before it
-    # admits a constrained request, the engine builds each run's matcher with it. One per host, so apps and engines
-    # built again around this host share its build.
-    grammar: VocabLoader
+    grammar: VocabLoader  # built at start-up, or on first use with --lazy-grammar
 
     @property
     def max_total(self) -> int:
@@ -78,8 +75,7 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     protocol = protocol_of(tokenizer)
     stops = stop_ids(structure, tokenizer, protocol)
     grammar = VocabLoader(functools.partial(GrammarVocab.from_tokenizer, tokenizer, structure.vocab_size, stops))
-    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops,
-                grammar)
+    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar)
 
 
 def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:
