@@ -10,10 +10,7 @@ Two halves, so that a request stays a value:
   (1 bit per token id, set = allowed), the sampler sets every disallowed logit to -inf (server/sampling/mask.py, the
   only part that touches torch), and `accept(token_id)` advances it. `is_finished` says that only a stop id can follow.
 
-Sources: `response_format` json_object / json_schema (json_schema.py, after a thought channel when thinking is on);
-`tool_choice` "required" or a named function: the protocol's grammar of calls to the declared functions
-(`CallFormat.call_grammar`); "none": the call-opening token banned; "auto" with `parallel_tool_calls: false`: free
-until the first call closes, then only a stop id. Why llguidance, and what its vocabulary costs: vocab.py.
+Why llguidance, and what its vocabulary costs: vocab.py.
 """
 
 from __future__ import annotations
@@ -76,23 +73,11 @@ class CallFormat(Protocol):
     # None: the format has no thought channel.
     thought: tuple[str, str] | None
 
-    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
-                     parallel: bool, thought: bool) -> str:
-        """Lark for one call (more when `parallel`) to a function among `names` (all tools when None), its arguments
-        valid for that function's parameters; after an optional thought (`with_thought`) when `thought`. Raises
-        ConstraintError for what it cannot enforce."""
+    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> str:
+        """Lark rules defining `call`: one call to a function among `names` (all tools when None), its arguments valid
+        for that function's parameters (the planner writes the start rule: how many calls, after which thought).
+        Raises ConstraintError for what it cannot enforce."""
         ...
-
-
-def with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None) -> str:
-    """A Lark grammar whose start is `body`, optionally preceded by a thought in `channel` (opening, closing token
-    texts; None: `body` alone)."""
-    if channel is None:
-        return f"start: {body}\n"
-    opening, closing = channel
-    return (f"start: thought? main\nmain: {body}\n"
-            f'thought: {vocab.special(opening)} THOUGHT {vocab.special(closing)}\n'
-            "THOUGHT: /(?s:.*)/\n")
 
 
 def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -9,8 +9,10 @@ Gemma tokenizer, 3 JSON documents forced through a 6-property schema, 215 mask f
 Both fill a mask far under the 0.5 ms goal; xgrammar precomputes a per-grammar cache over the whole vocabulary, so
 each new schema costs ~0.5 s of CPU, where llguidance compiles in milliseconds with its work bounded by fuel limits.
 Its Lark grammars also reference special tokens by id (`<[48]>`) and intersect regexes (`& ~/.../`), which Gemma's
-`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s here, more under load; see
-`GrammarVocab`): do it once, off the device thread. Per-token cost with the torch side: server/tools/bench/constraints.py.
+`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s on this host for Gemma's 262k tokens, up
+to a minute under heavy load; building it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s) and
+cannot be kept on disk: `VocabLoader` does it once per start, off the device thread. Per-token cost with the torch
+side: server/tools/bench/constraints.py.
 """
 
 from __future__ import annotations
@@ -41,13 +43,11 @@ class ConstraintLimits:
 
 
 class GrammarVocab:
-    """The tokenizer as the grammar engine needs it, built once per model.
+    """The tokenizer as the grammar engine needs it, built once per model (seconds of work: never on the device thread).
 
-    Seconds of work (13-20 s on this 2-core host for Gemma's 262k tokens, up to a minute under heavy load; building
-    it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s): build it at start-up in a thread, or
-    lazily on the first constrained request (never on the device thread). `stop_ids` are the ids that end generation
-    (eos plus the generation config's and the protocol's extra stops): a finished grammar allows exactly those.
-    `token_id(text)` finds a special token's id (a chat protocol's markers), None if the tokenizer has no such token.
+    `stop_ids` are the ids that end generation (eos plus the generation config's and the protocol's extra stops): a
+    finished grammar allows exactly those. `token_id(text)` finds a special token's id (a chat protocol's markers), None
+    if the tokenizer has no such token.
     """
 
     def __init__(self, tokenizer_json: str, token_id: Callable[[str], int | None], vocab_size: int,
@@ -126,11 +126,9 @@ class VocabLoader:
 
     One per host (the composition root makes it with the host): the API waits for it before it admits a constrained
     request, and the engine builds each run's matcher with it (`matcher(spec)`); apps built again around the same
-    host (tests, the bench) share the build.
-
-    Nothing is cached on disk: llguidance has no way to serialise a built tokenizer (LLTokenizer), so each start
-    builds it again (13-20 s for Gemma's 262k tokens on a 2-core host). The constructor holds the GIL for most of
-    that (one ~10 s stall measured), which is why the server starts it together with the graph load.
+    host (tests, the bench) share the build. Nothing is cached on disk: llguidance has no way to serialise a built
+    tokenizer (LLTokenizer). Its constructor holds the GIL for most of the build (one ~10 s stall measured), which is
+    why the server starts it together with the graph load.
     """
 
     def __init__(self, build: Callable[[], GrammarVocab]) -> None:

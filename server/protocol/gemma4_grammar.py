@@ -8,17 +8,16 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.constraints.constraint import ConstraintError, function_of, with_thought
+from server.constraints.constraint import ConstraintError, function_of
 from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
 
 if TYPE_CHECKING:
     from server.constraints.vocab import ConstraintLimits, GrammarVocab
 
 
-def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
-                      parallel: bool = True, thought: bool = False) -> str:
-    """Lark for `(thought)? <|tool_call>call:NAME{args}<tool_call|>` (+ more calls when `parallel`), NAME among
-    `names` (all tools when None), args valid for NAME's JSON schema in Gemma's syntax."""
+def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> str:
+    """Lark rules defining `call`: `<|tool_call>call:NAME{args}<tool_call|>`, NAME among `names` (all tools when None),
+    args valid for NAME's JSON schema in Gemma's syntax."""
     limits = vocab.limits
     if len(tools) > limits.max_tools:
         raise ConstraintError(f"{len(tools)} tools; the limit is {limits.max_tools}", "tools")
@@ -36,10 +35,8 @@ def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], n
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         args = builder.arguments(parameters, f"tools[{i}].function.parameters")
         alternatives.append(f"{_literal(function['name'])} {args}")
-    call = (f"call: {vocab.special(CALL_OPEN)} \"call:\" ({' | '.join(alternatives)}) {vocab.special(CALL_CLOSE)}")
-    body = "call+" if parallel else "call"
-    head = with_thought(vocab, body, Gemma4Calls.thought if thought else None)
-    return head + call + "\n" + "\n".join(builder.rules) + "\n"
+    call = f"call: {vocab.special(CALL_OPEN)} \"call:\" ({' | '.join(alternatives)}) {vocab.special(CALL_CLOSE)}"
+    return call + "\n" + "\n".join(builder.rules) + "\n"
 
 
 class Gemma4Calls:
