@@ -24,16 +24,8 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,  # noqa: A002 - OpenAI's field name
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002 - OpenAI's field name
         super().__init__(message)
         self.status = status
         self.message = message

@@ -116,15 +116,8 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
     (default: the host's graph); `prefix_reuse` off only to measure what it saves."""
     settings = settings or Settings()
     single_threaded_torch(host.graph_kind)
-    return Engine(
-        host.embedding,
-        host.tokenizer,
-        host.stop_token_ids,
-        load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
-        max_queue=settings.max_queue,
-        request_timeout_s=settings.request_timeout_s,
-        step_timeout_s=settings.step_timeout_s,
-        prefix_reuse=prefix_reuse,
-        on_loaded=freeze_heap,
-        constraints=host.grammar.matcher,
-    )
+    return Engine(host.embedding, host.tokenizer, host.stop_token_ids,
+                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
+                  max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
+                  step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
+                  constraints=host.grammar.matcher)
