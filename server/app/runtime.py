@@ -51,8 +51,7 @@ class Host:
 
 
 def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:
-    """eos and the generation config's stops, plus the stops of the model's chat protocol (Gemma-4: `<turn|>` and
-    `<|tool_response>`, where the model waits for a tool's result), whatever generation_config.json lists."""
+    """eos and the generation config's stops, plus the chat protocol's, whatever generation_config.json lists."""
     ids = list(structure.eos_token_ids)
     for text in protocol.stop_tokens:
         token = tokenizer.backend_tokenizer.token_to_id(text)

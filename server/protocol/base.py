@@ -4,8 +4,6 @@ A protocol has two sides:
 - request: `prompt_inputs(messages, tools=..., chat_template_kwargs=..., reasoning_effort=...)` turns OpenAI chat
   messages (plain dicts, None-valued keys allowed) into what the model's chat template takes, or raises
   `ProtocolError` (the API's 400, naming the offending field in `param`);
-- constraints: `calls` (the tool-call format as the constraint planner needs it: markers and call grammar) and
-  `stop_tokens` (what ends its turns besides eos), both empty for the plain protocol;
 - response: `parser(...)` returns a streaming `OutputParser`: `feed(text) -> ParsedDelta` with text decoded from the
   generated ids *as the protocol needs it* (`keep_special_tokens`), then `finish() -> ParseEnd`.
 

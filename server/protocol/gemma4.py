@@ -69,6 +69,8 @@ _MAX_HELD = 48  # an unclosed "<" this close to the end may still become a speci
 _NAME = re.compile(r"\s*(?:call:)?\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
 _BARE_CALL = re.compile(r"call:([A-Za-z_][\w.\-]*)\{")
 _BARE_START = re.compile(r"(?<![\w.\-])call:")
+_BARE_PREFIX = re.compile(r"call:(?:[A-Za-z_][\w.\-]*)?")  # may still grow into `call:NAME{`
+_NAME_CHAR = re.compile(r"[\w.\-]")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _BARE_KEY = re.compile(r"[^\s:{}\[\],<>]+")
 _BARE_VALUE = re.compile(r"[^,}\]<]+")
@@ -319,7 +321,7 @@ class Gemma4Parser(OutputParser):
         if self._tools and self._mode == "content":
             for n in range(1, 5):  # "c", "ca", "cal", "call" at the end, standing where a bare call could start
                 start = len(text) - n
-                if start >= 0 and "call:"[:n] == text[start:] and (start == 0 or not _is_name_char(text[start - 1])):
+                if start >= 0 and "call:"[:n] == text[start:] and (start == 0 or not _NAME_CHAR.match(text[start - 1])):
                     held = min(held, start)
                     break
         return held
@@ -380,7 +382,7 @@ class Gemma4Parser(OutputParser):
         match = _BARE_CALL.match(rest)
         end = None if match is None else _closing_brace(rest, match.end() - 1)
         if end is None:  # not (yet) a whole `call:NAME{...}`: held while it may still become one
-            growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _could_start_bare_call(rest)
+            growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _BARE_PREFIX.fullmatch(rest) is not None
             if final or not growing:
                 self._emit_text("call:")
                 self._buf = rest[len("call:"):]
@@ -432,15 +434,6 @@ class Gemma4Parser(OutputParser):
             self._emit_text(body)  # not a call (or cut short): the text comes back as content
         else:
             self._emit_call(*parsed)
-
-
-def _is_name_char(char: str) -> bool:
-    return char.isalnum() or char in "_.-"
-
-
-def _could_start_bare_call(text: str) -> bool:
-    """`text` (starting with "call:") may still grow into `call:NAME{`."""
-    return re.fullmatch(r"call:(?:[A-Za-z_][\w.\-]*)?", text) is not None
 
 
 def _closing_brace(text: str, start: int) -> int | None:
