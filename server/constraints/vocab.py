@@ -74,23 +74,21 @@ class GrammarVocab:
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
 
-    def compile(self, grammar: str) -> None:
-        """Compile `grammar` into the cache (nothing if it is there); ConstraintError if it does not compile."""
-        self._compiled(grammar, copy=False)
-
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar` (a copy of a cached compiled one); ConstraintError if it does not compile.
         A grammar the cache let go since the API compiled it is compiled again (milliseconds, bounded by the fuel)."""
-        matcher = self._compiled(grammar, copy=True)
-        assert matcher is not None
-        return matcher
+        compiled = self.compile(grammar)
+        with self._lock:  # copies are taken under the lock: the compiled original is shared by every thread
+            return compiled.deep_copy()
 
-    def _compiled(self, grammar: str, *, copy: bool) -> llguidance.LLMatcher | None:
-        with self._lock:  # copies are taken under the lock: the cached original is shared by every thread
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """`grammar` compiled, from the cache or now (then cached); ConstraintError if it does not compile. Shared: run
+        a `matcher(grammar)`, never this one."""
+        with self._lock:
             compiled = self._cache.get(grammar)
             if compiled is not None:
                 self._cache.move_to_end(grammar)
-                return compiled.deep_copy() if copy else None
+                return compiled
         start = time.perf_counter()
         compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._parser_limits)
         elapsed = time.perf_counter() - start
@@ -102,7 +100,7 @@ class GrammarVocab:
             self._cache[grammar] = compiled
             while len(self._cache) > self.limits.cache_entries:
                 self._cache.popitem(last=False)
-            return compiled.deep_copy() if copy else None
+        return compiled
 
     def token_id(self, text: str) -> int:
         """The id of the special token `text`; ConstraintError if this vocabulary has none."""
