@@ -57,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a transformers checkpoint directory or a .gguf file")
     export.add_argument("--dest", required=True, type=Path, help="the artifact directory to write")
     export.add_argument("--prefill-bucket", type=int, default=128, help="prompt chunk length, tokens (default: 128)")
-    export.add_argument("--max-total", type=int, default=512,
-                        help="context: prompt + completion, tokens (default: 512)")
+    export.add_argument("--max-total", type=int, default=512, help="context: prompt + completion, tokens (default: 512)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and embedding table dtype (default: float32)")
 

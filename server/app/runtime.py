@@ -60,8 +60,7 @@ def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: Chat
     return tuple(dict.fromkeys(ids))
 
 
-def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None,
-              cache_dir: Path | None = None) -> Host:
+def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None, cache_dir: Path | None = None) -> Host:
     """cache_dir: where start-up caches live (None: derive everything, write nothing)."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)

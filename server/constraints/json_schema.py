@@ -20,8 +20,7 @@ def json_grammar(response_format: Mapping[str, Any], limits: ConstraintLimits) -
     else:
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
-            raise ConstraintError("response_format.json_schema must be an object with a 'schema' object",
-                                  "response_format")
+            raise ConstraintError("response_format.json_schema must be an object with a 'schema' object", "response_format")
         schema = dict(spec.get("schema") or {})
     text = json.dumps(schema)
     if len(text) > limits.max_spec_chars:

@@ -55,8 +55,7 @@ class HFGraph:
         if position >= self.position:
             return self.position
         layers = getattr(self.cache, "layers", [])
-        wrapped = any(getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len
-                      for layer in layers)
+        wrapped = any(getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len for layer in layers)
         if wrapped or not layers:
             self.cache.reset()
             self.position = 0

@@ -131,8 +131,7 @@ class ChatProtocol(ABC):
     def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True) -> OutputParser: ...
 
 
-def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None,
-                  default: bool = False) -> bool:
+def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None, default: bool = False) -> bool:
     """enable_thinking from `chat_template_kwargs` and `reasoning_effort` ("none" = off); contradictions are refused."""
     kwargs = chat_template_kwargs or {}
     explicit = kwargs.get("enable_thinking")
@@ -192,8 +191,7 @@ class PlainProtocol(ChatProtocol):
     keep_special_tokens = False
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                      reasoning_effort: str | None = None) -> PromptInputs:
+                      chat_template_kwargs: Mapping[str, Any] | None = None, reasoning_effort: str | None = None) -> PromptInputs:
         if tools:
             raise ProtocolError("tools: this model has no native tool-call format", "tools")
         for i, message in enumerate(messages):

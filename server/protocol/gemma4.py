@@ -104,8 +104,7 @@ class Gemma4Protocol(ChatProtocol):
         return GEMMA4_CALLS
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                      reasoning_effort: str | None = None) -> PromptInputs:
+                      chat_template_kwargs: Mapping[str, Any] | None = None, reasoning_effort: str | None = None) -> PromptInputs:
         thinking = thinking_from(chat_template_kwargs, reasoning_effort)
         converted = openai_messages(messages)
         names_by_id: dict[str, str] = {}
@@ -331,8 +330,7 @@ class Gemma4Parser(OutputParser):
             (self._reasoning if self._mode == "reasoning" else self._content).append(self._clean(text))
 
     def _emit_call(self, name: str, arguments: dict[str, Any]) -> None:
-        self._out_calls.append(ToolCallDelta(self._calls, self._new_id(), name,
-                                             json.dumps(arguments, ensure_ascii=False)))
+        self._out_calls.append(ToolCallDelta(self._calls, self._new_id(), name, json.dumps(arguments, ensure_ascii=False)))
         self._calls += 1
 
     def _drain(self, final: bool) -> None:

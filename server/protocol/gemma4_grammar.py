@@ -148,8 +148,7 @@ class GemmaGrammar:
         if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
             raise ConstraintError(f"{where}: bad minLength/maxLength", where)
         if max(low, high or 0) > self.limits.max_string_length:
-            raise ConstraintError(f"{where}: string lengths above {self.limits.max_string_length} are not supported",
-                                  where)
+            raise ConstraintError(f"{where}: string lengths above {self.limits.max_string_length} are not supported", where)
         repeat = "*" if low == 0 and high is None else f"{{{low},{'' if high is None else high}}}"
         # Text tokens only (special tokens never match a regex), and never the characters of the delimiter's text.
         terminal = self._terminal(f"/(?s:.{repeat})/ & ~/(?s:.*<\\|\"\\|>.*)/")

@@ -258,8 +258,7 @@ class _Server:
             [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", "--null-step-ms", str(step_ms),
              "--cache-dir", str(cache_dir), "--lazy-grammar"],  # no grammar build disturbing the figures
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         import httpx
 
         self.client = httpx.Client(timeout=120)
