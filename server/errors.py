@@ -9,18 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
+# OpenAI's error types by status; any other is invalid_request_error (4xx) or server_error (5xx).
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
