@@ -110,7 +110,6 @@ def collect(parser: OutputParser, *chunks: str) -> ParsedMessage:
 
 
 class ChatProtocol(ABC):
-    name: str
     supports_tools: bool
     # The detokenizer must decode with skip_special_tokens=False for this protocol's parser (its markers are specials).
     keep_special_tokens: bool
@@ -186,7 +185,6 @@ class PlainProtocol(ChatProtocol):
     Its detokenizer keeps today's skip_special_tokens=True; tools, tool messages and thinking are refused (400).
     """
 
-    name = "plain"
     supports_tools = False
     keep_special_tokens = False
 

@@ -87,7 +87,6 @@ def call_id() -> str:
 
 
 class Gemma4Protocol(ChatProtocol):
-    name = "gemma4"
     supports_tools = True
     keep_special_tokens = True
     stop_tokens = STOP_TOKENS
@@ -349,16 +348,11 @@ class Gemma4Parser(OutputParser):
         """Emit the text before the first of `patterns` (or of a bare `call:`) and return that marker, the buffer now
         starting with it. With none in the buffer: emit it, except a tail that may still become one (all of it when
         final), and return None."""
-        best: tuple[int, str] | None = None
-        for pattern in patterns:
-            at = self._buf.find(pattern)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, pattern)
-        if bare:
-            match = _BARE_START.search(self._buf)
-            if match and (best is None or match.start() < best[0]):
-                best = (match.start(), "call:")
-        at, marker = best or (len(self._buf) if final else self._held_from(self._buf), None)
+        found = [(at, pattern) for pattern in patterns if (at := self._buf.find(pattern)) >= 0]
+        if bare and (match := _BARE_START.search(self._buf)):
+            found.append((match.start(), "call:"))
+        # The earliest one (no two of these texts can start at the same index: none is a prefix of another).
+        at, marker = min(found, default=None) or (len(self._buf) if final else self._held_from(self._buf), None)
         self._emit_text(self._buf[:at])
         self._buf = self._buf[at:]
         return marker
