@@ -24,10 +24,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m server",
-        description="An OpenAI-compatible server for Gemma-4 26B-A4B on inf2.xlarge. Try it on any machine with "
-                    "`python -m server demo`; `python -m server COMMAND --help` lists a command's flags.")
+    parser = _Parser(prog="python -m server", description="An OpenAI-compatible server for Gemma-4 26B-A4B on inf2.xlarge. "
+                     "Try it on any machine with `python -m server demo`; `python -m server COMMAND --help` lists a "
+                     "command's flags.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve an artifact directory over the OpenAI-compatible HTTP API")
