@@ -1,16 +1,12 @@
-"""A request's constraint as a value (`ConstraintSpec`) and as the matchers built from it, and the `CallFormat` a chat
-protocol fills in.
+"""A request's constraint as a value, the matchers built from it, and the `CallFormat` a chat protocol fills in.
 
-Two halves, so that a request stays a value:
-- the value, `Grammar`, `BannedIds` or `StopAfter`: frozen, what is allowed. The API plans it from the request with
-  `plan_constraint(...)` (planner.py; None for a request without one: zero cost), which compiles any grammar once up
-  front (a bad schema is a 400 before the response starts; the compiled grammar stays cached);
-- the matcher, a `Constraint`: stateful, built from the value by `build_matcher(vocab, spec)` for each run (the
-  engine's: a request can be run again, after a cache reset, from the same value). Per step `fill_mask(bitmask)`
-  (1 bit per token id, set = allowed), the sampler sets every disallowed logit to -inf (server/sampling/mask.py, the
-  only part that touches torch), and `accept(token_id)` advances it. `is_finished` says that only a stop id can follow.
-
-Why llguidance, and what its vocabulary costs: vocab.py.
+The value (`ConstraintSpec`: `Grammar`, `BannedIds` or `StopAfter`) is frozen, so that a request stays a value: the API
+plans it with `plan_constraint` (planner.py; None for a request without one: zero cost), compiling any grammar up front
+(a bad schema is a 400 before the response starts; the compiled grammar stays cached). The matcher (`Constraint`) is
+stateful, built from the value by `build_matcher` for each run (the engine's: a request can be run again, after a
+cache reset, from the same value). Per step `fill_mask(bitmask)` (1 bit per token id, set = allowed), the sampler sets
+every disallowed logit to -inf (server/sampling/mask.py, the only part that touches torch), and `accept(token_id)`
+advances it; `is_finished` says that only a stop id can follow. Why llguidance, and what its vocabulary costs: vocab.py.
 """
 
 from __future__ import annotations
@@ -31,9 +27,6 @@ if TYPE_CHECKING:
 
 class ConstraintError(InvalidRequest):
     """The request's schema, tools or tool_choice cannot be enforced: the API answers 400 naming `param`."""
-
-
-# --------------------------------------------------------------------- the value a request carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +53,6 @@ class StopAfter:
 ConstraintSpec = Grammar | BannedIds | StopAfter
 
 
-# --------------------------------------------------------------------- what a chat protocol tells the planner
-
-
 class CallFormat(Protocol):
     """What the planner needs of a chat protocol with native tool calls (`ChatProtocol.calls`; None for a protocol
     without them). Texts, not ids: the vocabulary resolves them (`GrammarVocab.token_id`, `.special`)."""
@@ -86,9 +76,6 @@ def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise ConstraintError("tools must be function tools with a name", "tools")
     return function
-
-
-# --------------------------------------------------------------------- the matchers
 
 
 class Constraint:

@@ -304,9 +304,7 @@ class Gemma4Parser(OutputParser):
     def _clean(self, text: str) -> str:
         def replace(match: re.Match[str]) -> str:
             token = match.group()
-            if token == QUOTE:
-                return '"'
-            return "" if token in self._special else token
+            return '"' if token == QUOTE else "" if token in self._special else token
 
         return _SPECIAL_TEXT.sub(replace, text)
 
