@@ -1,4 +1,4 @@
-"""The one exception type of the server, and how it maps to OpenAI's error JSON.
+"""The server's exceptions, and how `APIError` maps to OpenAI's error JSON.
 
 Everything a client can cause raises `APIError` (or `InvalidRequest` below the API, which maps it to a 400); one
 handler in `api/` turns it into `{"error": {"message", "type", "param", "code"}}` with the right status. Internal

@@ -44,11 +44,8 @@ class ConstraintLimits:
 
 class GrammarVocab:
     """The tokenizer as the grammar engine needs it, built once per model (seconds of work: never on the device thread).
-
-    `stop_ids` are the ids that end generation (eos plus the generation config's and the protocol's extra stops): a
-    finished grammar allows exactly those. `token_id(text)` finds a special token's id (a chat protocol's markers), None
-    if the tokenizer has no such token.
-    """
+    `stop_ids` end generation (eos plus the generation config's and the protocol's extra stops): a finished grammar
+    allows exactly those. `token_id(text)`: a special token's id (a chat protocol's markers), None if there is none."""
 
     def __init__(self, tokenizer_json: str, token_id: Callable[[str], int | None], vocab_size: int,
                  stop_ids: Sequence[int], limits: ConstraintLimits = ConstraintLimits()) -> None:
