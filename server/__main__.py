@@ -24,10 +24,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m server",
-        description="An OpenAI-compatible server for Gemma-4 26B-A4B on inf2.xlarge. Try it on any machine with "
-                    "`python -m server demo`; `python -m server COMMAND --help` lists a command's flags.")
+    parser = _Parser(prog="python -m server", description="An OpenAI-compatible server for Gemma-4 26B-A4B on inf2.xlarge. "
+                     "Try it on any machine with `python -m server demo`; `python -m server COMMAND --help` lists a "
+                     "command's flags.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve an artifact directory over the OpenAI-compatible HTTP API")
@@ -57,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a transformers checkpoint directory or a .gguf file")
     export.add_argument("--dest", required=True, type=Path, help="the artifact directory to write")
     export.add_argument("--prefill-bucket", type=int, default=128, help="prompt chunk length, tokens (default: 128)")
-    export.add_argument("--max-total", type=int, default=512,
-                        help="context: prompt + completion, tokens (default: 512)")
+    export.add_argument("--max-total", type=int, default=512, help="context: prompt + completion, tokens (default: 512)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and embedding table dtype (default: float32)")
 

@@ -201,9 +201,7 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
     for option in OPTIONS:
         if names is not None and option.name not in names:
             continue
-        if option.kind is _switch:  # a bare flag: present means on
-            parser.add_argument(option.flag, dest=option.name, action="store_const", const=True, default=None,
-                                help=f"{option.help} (default: {option.shown}) [env {option.env}]")
-            continue
-        parser.add_argument(option.flag, dest=option.name, type=typed(option), default=None,
-                            help=f"{option.help} (default: {option.shown}) [env {option.env}]")
+        # A switch is a bare flag: present means on.
+        how = {"action": "store_const", "const": True} if option.kind is _switch else {"type": typed(option)}
+        parser.add_argument(option.flag, dest=option.name, default=None,
+                            help=f"{option.help} (default: {option.shown}) [env {option.env}]", **how)

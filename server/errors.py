@@ -1,4 +1,4 @@
-"""The one exception type of the server, and how it maps to OpenAI's error JSON.
+"""The server's exceptions, and how `APIError` maps to OpenAI's error JSON.
 
 Everything a client can cause raises `APIError` (or `InvalidRequest` below the API, which maps it to a 400); one
 handler in `api/` turns it into `{"error": {"message", "type", "param", "code"}}` with the right status. Internal
@@ -9,31 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
+# OpenAI's error types by status; any other is invalid_request_error (4xx) or server_error (5xx).
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,  # noqa: A002 - OpenAI's field name
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002 - OpenAI's field name
         super().__init__(message)
         self.status = status
         self.message = message

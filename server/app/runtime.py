@@ -36,10 +36,7 @@ class Host:
     model_name: str
     protocol: ChatProtocol  # the model family's chat format, detected once from the tokenizer
     stop_token_ids: tuple[int, ...]  # eos, the generation config's stops and the protocol's (`stop_ids`)
-    # The grammar vocabulary (built on first use, or at start-up unless --lazy-grammar): the API waits for it before it
-    # admits a constrained request, the engine builds each run's matcher with it. One per host, so apps and engines
-    # built again around this host share its build.
-    grammar: VocabLoader
+    grammar: VocabLoader  # built at start-up, or on first use with --lazy-grammar
 
     @property
     def max_total(self) -> int:
@@ -54,8 +51,7 @@ class Host:
 
 
 def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:
-    """eos and the generation config's stops, plus the stops of the model's chat protocol (Gemma-4: `<turn|>` and
-    `<|tool_response>`, where the model waits for a tool's result), whatever generation_config.json lists."""
+    """eos and the generation config's stops, plus the chat protocol's, whatever generation_config.json lists."""
     ids = list(structure.eos_token_ids)
     for text in protocol.stop_tokens:
         token = tokenizer.backend_tokenizer.token_to_id(text)
@@ -64,8 +60,7 @@ def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: Chat
     return tuple(dict.fromkeys(ids))
 
 
-def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None,
-              cache_dir: Path | None = None) -> Host:
+def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None, cache_dir: Path | None = None) -> Host:
     """cache_dir: where start-up caches live (None: derive everything, write nothing)."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)
@@ -78,8 +73,7 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     protocol = protocol_of(tokenizer)
     stops = stop_ids(structure, tokenizer, protocol)
     grammar = VocabLoader(functools.partial(GrammarVocab.from_tokenizer, tokenizer, structure.vocab_size, stops))
-    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops,
-                grammar)
+    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar)
 
 
 def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:
@@ -120,15 +114,8 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
     (default: the host's graph); `prefix_reuse` off only to measure what it saves."""
     settings = settings or Settings()
     single_threaded_torch(host.graph_kind)
-    return Engine(
-        host.embedding,
-        host.tokenizer,
-        host.stop_token_ids,
-        load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
-        max_queue=settings.max_queue,
-        request_timeout_s=settings.request_timeout_s,
-        step_timeout_s=settings.step_timeout_s,
-        prefix_reuse=prefix_reuse,
-        on_loaded=freeze_heap,
-        constraints=host.grammar.matcher,
-    )
+    return Engine(host.embedding, host.tokenizer, host.stop_token_ids,
+                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
+                  max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
+                  step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
+                  constraints=host.grammar.matcher)

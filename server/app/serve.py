@@ -101,8 +101,7 @@ def serve(settings: Settings, listener: socket.socket | None = None) -> int:
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5, server_header=False)
     server = DrainingServer(config, app.state.drain, settings.shutdown_grace_s)
-    log.info("serving %s (%s graph) on http://%s:%d", host.model_name, host.graph_kind, settings.host,
-             listener.getsockname()[1])
+    log.info("serving %s (%s graph) on http://%s:%d", host.model_name, host.graph_kind, settings.host, listener.getsockname()[1])
     try:
         server.run(sockets=[listener])
     except SystemExit as exc:  # uvicorn exits 1 when its start-up fails (the port is already ours)

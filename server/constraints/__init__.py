@@ -1,6 +1,4 @@
-"""Token constraints: grammars (llguidance) and token sets compiled into per-step vocabulary masks. Torch-free.
+"""Token constraints: what a request allows the model to write, enforced as a vocabulary mask every step.
 
-constraint.py: the value a request carries (`ConstraintSpec`), the matchers built from it, the `CallFormat` a chat
-protocol fills in; planner.py: a request's fields -> a value; json_schema.py: response_format -> grammar; vocab.py:
-the grammar vocabulary and its loader. A model family's call syntax comes in through `CallFormat`; must not import a
-model family (server.protocol sits above it: tests/test_constraints.py checks) nor torch."""
+Torch-free, so the API layer can plan and validate constraints; knows no model family (server.protocol sits above it):
+a family's markers and call grammar come in through `CallFormat` (constraint.py)."""

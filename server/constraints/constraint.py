@@ -1,25 +1,12 @@
-"""Token-level constraints: what a request allows the model to write, enforced as a vocabulary mask every step.
+"""A request's constraint as a value, the matchers built from it, and the `CallFormat` a chat protocol fills in.
 
-Two halves, so that a request stays a value:
-- the value, `ConstraintSpec` (`Grammar`, `BannedIds` or `StopAfter`): frozen, what is allowed. The API plans it from
-  the request with `plan_constraint(...)` (None for a request without one: zero cost), which compiles any grammar
-  once up front (a bad schema is a 400 before the response starts; the compiled grammar stays cached);
-- the matcher, a `Constraint`: stateful, built from the value by `build_matcher(vocab, spec)` for each run (the
-  engine's: a request can be run again, after a cache reset, from the same value). Per step `fill_mask(bitmask)`
-  (1 bit per token id, set = allowed), the sampler sets every disallowed logit to -inf (server/sampling/mask.py, the
-  only part that touches torch), and `accept(token_id)` advances it. `is_finished` says that only a stop id can follow.
-
-Sources of constraints:
-- `response_format` `json_object` / `json_schema`: llguidance's JSON-schema compiler (json_schema.py), optionally
-  after a thought channel when thinking is on;
-- tool calls with `tool_choice` "required" or a named function: the grammar of the protocol's calls to the declared
-  functions (`CallFormat.call_grammar`: the model family's own syntax, e.g. server/protocol/gemma4_grammar.py);
-- `tool_choice` "none": the call-opening token is banned (no grammar);
-- `tool_choice` "auto" with `parallel_tool_calls: false`: free until the first call closes, then only a stop id.
-
-This package knows no model family: the markers and the call grammar come from the chat protocol through the small
-`CallFormat` interface below. Torch-free, so the API layer can plan and validate constraints. Why llguidance, and
-what its vocabulary costs: vocab.py.
+The value (`ConstraintSpec`: `Grammar`, `BannedIds` or `StopAfter`) is frozen, so that a request stays a value: the API
+plans it with `plan_constraint` (planner.py; None for a request without one: zero cost), compiling any grammar up front
+(a bad schema is a 400 before the response starts; the compiled grammar stays cached). The matcher (`Constraint`) is
+stateful, built from the value by `build_matcher` for each run (the engine's: a request can be run again, after a
+cache reset, from the same value). Per step `fill_mask(bitmask)` (1 bit per token id, set = allowed), the sampler sets
+every disallowed logit to -inf (server/sampling/mask.py, the only part that touches torch), and `accept(token_id)`
+advances it; `is_finished` says that only a stop id can follow. Why llguidance, and what its vocabulary costs: vocab.py.
 """
 
 from __future__ import annotations
@@ -40,9 +27,6 @@ if TYPE_CHECKING:
 
 class ConstraintError(InvalidRequest):
     """The request's schema, tools or tool_choice cannot be enforced: the API answers 400 naming `param`."""
-
-
-# --------------------------------------------------------------------- the value a request carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +53,6 @@ class StopAfter:
 ConstraintSpec = Grammar | BannedIds | StopAfter
 
 
-# --------------------------------------------------------------------- what a chat protocol tells the planner
-
-
 class CallFormat(Protocol):
     """What the planner needs of a chat protocol with native tool calls (`ChatProtocol.calls`; None for a protocol
     without them). Texts, not ids: the vocabulary resolves them (`GrammarVocab.token_id`, `.special`)."""
@@ -82,23 +63,11 @@ class CallFormat(Protocol):
     # None: the format has no thought channel.
     thought: tuple[str, str] | None
 
-    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
-                     parallel: bool, thought: bool) -> str:
-        """Lark for one call (more when `parallel`) to a function among `names` (all tools when None), its arguments
-        valid for that function's parameters; after an optional thought (`with_thought`) when `thought`. Raises
-        ConstraintError for what it cannot enforce."""
+    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> str:
+        """Lark rules defining `call`: one call to a function among `names` (all tools when None), its arguments valid
+        for that function's parameters (the planner writes the start rule: how many calls, after which thought).
+        Raises ConstraintError for what it cannot enforce."""
         ...
-
-
-def with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None) -> str:
-    """A Lark grammar whose start is `body`, optionally preceded by a thought in `channel` (opening, closing token
-    texts; None: `body` alone)."""
-    if channel is None:
-        return f"start: {body}\n"
-    opening, closing = channel
-    return (f"start: thought? main\nmain: {body}\n"
-            f'thought: {vocab.special(opening)} THOUGHT {vocab.special(closing)}\n'
-            "THOUGHT: /(?s:.*)/\n")
 
 
 def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -107,9 +76,6 @@ def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise ConstraintError("tools must be function tools with a name", "tools")
     return function
-
-
-# --------------------------------------------------------------------- the matchers
 
 
 class Constraint:

@@ -1,7 +1,10 @@
 """Planning a request's constraint: OpenAI's `response_format`, `tools`, `tool_choice` and `parallel_tool_calls` as one
 `ConstraintSpec` value (or None), any grammar compiled once so that what cannot be enforced is the request's 400.
 
-Model-independent: the call syntax, its markers and the thought channel come from the chat protocol's `CallFormat`.
+`response_format` json_object / json_schema: the schema's grammar (json_schema.py); `tool_choice` "required" or a
+named function: the protocol's grammar of calls to the declared functions (`CallFormat.call_grammar`); "none": the
+call-opening token banned; "auto" with `parallel_tool_calls: false`: free until the first call closes, then only a
+stop id. Either grammar may follow a thought when thinking is on.
 """
 
 from __future__ import annotations
@@ -9,19 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.constraints.constraint import (
-    BannedIds,
-    CallFormat,
-    ConstraintError,
-    ConstraintSpec,
-    Grammar,
-    StopAfter,
-    function_of,
-    with_thought,
-)
+from server.constraints.constraint import BannedIds, ConstraintError, Grammar, StopAfter, function_of
 from server.constraints.json_schema import json_grammar
 
 if TYPE_CHECKING:
+    from server.constraints.constraint import CallFormat, ConstraintSpec
     from server.constraints.vocab import GrammarVocab
 
 
@@ -43,7 +38,7 @@ def plan_constraint(vocab: GrammarVocab, calls: CallFormat | None, *,
         raise ConstraintError("response_format cannot be combined with a tool_choice that forces a call", "tool_choice")
     channel = calls.thought if thinking and calls is not None else None
     if fmt != "text":
-        return _compiled(vocab, with_thought(vocab, json_grammar(response_format or {}, vocab.limits), channel))
+        return _compiled(vocab, _with_thought(vocab, json_grammar(response_format or {}, vocab.limits), channel))
     if not tools or choice == "auto" and parallel_tool_calls:
         return None
     if calls is None:
@@ -53,8 +48,18 @@ def plan_constraint(vocab: GrammarVocab, calls: CallFormat | None, *,
     if choice == "auto":
         return StopAfter(vocab.token_id(calls.call_close))
     names = [tool_choice["function"]["name"]] if choice == "named" else None  # type: ignore[index]
-    return _compiled(vocab, calls.call_grammar(vocab, tools, names, parallel=parallel_tool_calls,
-                                               thought=channel is not None))
+    rules = calls.call_grammar(vocab, tools, names)
+    return _compiled(vocab, _with_thought(vocab, "call+" if parallel_tool_calls else "call", channel) + rules)
+
+
+def _with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None) -> str:
+    """A Lark start rule for `body`, optionally preceded by a thought in `channel` (opening, closing token texts)."""
+    if channel is None:
+        return f"start: {body}\n"
+    opening, closing = channel
+    return (f"start: thought? main\nmain: {body}\n"
+            f'thought: {vocab.special(opening)} THOUGHT {vocab.special(closing)}\n'
+            "THOUGHT: /(?s:.*)/\n")
 
 
 def _compiled(vocab: GrammarVocab, lark: str) -> Grammar:
@@ -79,5 +84,3 @@ def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | M
     if name not in {function_of(tool)["name"] for tool in tools or ()}:
         raise ConstraintError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     return "named"
-
-

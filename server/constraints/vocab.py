@@ -9,8 +9,10 @@ Gemma tokenizer, 3 JSON documents forced through a 6-property schema, 215 mask f
 Both fill a mask far under the 0.5 ms goal; xgrammar precomputes a per-grammar cache over the whole vocabulary, so
 each new schema costs ~0.5 s of CPU, where llguidance compiles in milliseconds with its work bounded by fuel limits.
 Its Lark grammars also reference special tokens by id (`<[48]>`) and intersect regexes (`& ~/.../`), which Gemma's
-`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s here, more under load; see
-`GrammarVocab`): do it once, off the device thread. Per-token cost with the torch side: server/tools/bench/constraints.py.
+`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s on this host for Gemma's 262k tokens, up
+to a minute under heavy load; building it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s) and
+cannot be kept on disk: `VocabLoader` does it once per start, off the device thread. Per-token cost with the torch
+side: server/tools/bench/constraints.py.
 """
 
 from __future__ import annotations
@@ -41,14 +43,9 @@ class ConstraintLimits:
 
 
 class GrammarVocab:
-    """The tokenizer as the grammar engine needs it, built once per model.
-
-    Seconds of work (13-20 s on this 2-core host for Gemma's 262k tokens, up to a minute under heavy load; building
-    it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s): build it at start-up in a thread, or
-    lazily on the first constrained request (never on the device thread). `stop_ids` are the ids that end generation
-    (eos plus the generation config's and the protocol's extra stops): a finished grammar allows exactly those.
-    `token_id(text)` finds a special token's id (a chat protocol's markers), None if the tokenizer has no such token.
-    """
+    """The tokenizer as the grammar engine needs it, built once per model (seconds of work: never on the device thread).
+    `stop_ids` end generation (eos plus the generation config's and the protocol's extra stops): a finished grammar
+    allows exactly those. `token_id(text)`: a special token's id (a chat protocol's markers), None if there is none."""
 
     def __init__(self, tokenizer_json: str, token_id: Callable[[str], int | None], vocab_size: int,
                  stop_ids: Sequence[int], limits: ConstraintLimits = ConstraintLimits()) -> None:
@@ -74,23 +71,21 @@ class GrammarVocab:
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
 
-    def compile(self, grammar: str) -> None:
-        """Compile `grammar` into the cache (nothing if it is there); ConstraintError if it does not compile."""
-        self._compiled(grammar, copy=False)
-
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar` (a copy of a cached compiled one); ConstraintError if it does not compile.
         A grammar the cache let go since the API compiled it is compiled again (milliseconds, bounded by the fuel)."""
-        matcher = self._compiled(grammar, copy=True)
-        assert matcher is not None
-        return matcher
+        compiled = self.compile(grammar)
+        with self._lock:  # copies are taken under the lock: the compiled original is shared by every thread
+            return compiled.deep_copy()
 
-    def _compiled(self, grammar: str, *, copy: bool) -> llguidance.LLMatcher | None:
-        with self._lock:  # copies are taken under the lock: the cached original is shared by every thread
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """`grammar` compiled, from the cache or now (then cached); ConstraintError if it does not compile. Shared: run
+        a `matcher(grammar)`, never this one."""
+        with self._lock:
             compiled = self._cache.get(grammar)
             if compiled is not None:
                 self._cache.move_to_end(grammar)
-                return compiled.deep_copy() if copy else None
+                return compiled
         start = time.perf_counter()
         compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._parser_limits)
         elapsed = time.perf_counter() - start
@@ -102,7 +97,7 @@ class GrammarVocab:
             self._cache[grammar] = compiled
             while len(self._cache) > self.limits.cache_entries:
                 self._cache.popitem(last=False)
-            return compiled.deep_copy() if copy else None
+        return compiled
 
     def token_id(self, text: str) -> int:
         """The id of the special token `text`; ConstraintError if this vocabulary has none."""
@@ -126,11 +121,9 @@ class VocabLoader:
 
     One per host (the composition root makes it with the host): the API waits for it before it admits a constrained
     request, and the engine builds each run's matcher with it (`matcher(spec)`); apps built again around the same
-    host (tests, the bench) share the build.
-
-    Nothing is cached on disk: llguidance has no way to serialise a built tokenizer (LLTokenizer), so each start
-    builds it again (13-20 s for Gemma's 262k tokens on a 2-core host). The constructor holds the GIL for most of
-    that (one ~10 s stall measured), which is why the server starts it together with the graph load.
+    host (tests, the bench) share the build. Nothing is cached on disk: llguidance has no way to serialise a built
+    tokenizer (LLTokenizer). Its constructor holds the GIL for most of the build (one ~10 s stall measured), which is
+    why the server starts it together with the graph load.
     """
 
     def __init__(self, build: Callable[[], GrammarVocab]) -> None:

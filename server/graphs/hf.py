@@ -45,13 +45,8 @@ class HFGraph:
         embeds, positions = embeds.to(self.device, self.input_dtype), positions.to(self.device)
         if on_submit is not None:
             on_submit()
-        out = self.model(
-            inputs_embeds=embeds,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
+        out = self.model(inputs_embeds=embeds, position_ids=positions, cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
         self.position += t
         return out.logits.float().cpu()  # [1, T, V]
 
@@ -60,9 +55,7 @@ class HFGraph:
         if position >= self.position:
             return self.position
         layers = getattr(self.cache, "layers", [])
-        wrapped = any(
-            getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len for layer in layers
-        )
+        wrapped = any(getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len for layer in layers)
         if wrapped or not layers:
             self.cache.reset()
             self.position = 0

@@ -80,8 +80,7 @@ class _CompiledGraph:
 
     name = "jit"
 
-    def __init__(self, path: Path | str, spec: GraphSpec, contract: str, *, vocab_size: int,
-                 final_softcap: float | None) -> None:
+    def __init__(self, path: Path | str, spec: GraphSpec, contract: str, *, vocab_size: int, final_softcap: float | None) -> None:
         self.module = load_compiled(path, contract)
         self.max_total = spec.max_total
         self.prefill_buckets = spec.buckets

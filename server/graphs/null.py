@@ -24,19 +24,9 @@ NULL_GRAPH_WORDS = (
 class NullGraph:
     name = "null"
 
-    def __init__(
-        self,
-        vocab_size: int,
-        *,
-        max_total: int = 512,
-        prefill_bucket: int = 128,
-        input_dtype: torch.dtype = torch.float32,
-        host_softcap: float | None = None,
-        favoured_token: int | None = None,
-        text_tokens: Sequence[int] = (),
-        seed: int = 0,
-        step_s: float = 0.0,
-    ) -> None:
+    def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
+                 input_dtype: torch.dtype = torch.float32, host_softcap: float | None = None,
+                 favoured_token: int | None = None, text_tokens: Sequence[int] = (), seed: int = 0, step_s: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.max_total = max_total
         self.prefill_bucket = prefill_bucket

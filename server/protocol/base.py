@@ -4,8 +4,6 @@ A protocol has two sides:
 - request: `prompt_inputs(messages, tools=..., chat_template_kwargs=..., reasoning_effort=...)` turns OpenAI chat
   messages (plain dicts, None-valued keys allowed) into what the model's chat template takes, or raises
   `ProtocolError` (the API's 400, naming the offending field in `param`);
-- constraints: `calls` (the tool-call format as the constraint planner needs it: markers and call grammar) and
-  `stop_tokens` (what ends its turns besides eos), both empty for the plain protocol;
 - response: `parser(...)` returns a streaming `OutputParser`: `feed(text) -> ParsedDelta` with text decoded from the
   generated ids *as the protocol needs it* (`keep_special_tokens`), then `finish() -> ParseEnd`.
 
@@ -112,7 +110,6 @@ def collect(parser: OutputParser, *chunks: str) -> ParsedMessage:
 
 
 class ChatProtocol(ABC):
-    name: str
     supports_tools: bool
     # The detokenizer must decode with skip_special_tokens=False for this protocol's parser (its markers are specials).
     keep_special_tokens: bool
@@ -133,8 +130,7 @@ class ChatProtocol(ABC):
     def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True) -> OutputParser: ...
 
 
-def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None,
-                  default: bool = False) -> bool:
+def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None, default: bool = False) -> bool:
     """enable_thinking from `chat_template_kwargs` and `reasoning_effort` ("none" = off); contradictions are refused."""
     kwargs = chat_template_kwargs or {}
     explicit = kwargs.get("enable_thinking")
@@ -189,13 +185,11 @@ class PlainProtocol(ChatProtocol):
     Its detokenizer keeps today's skip_special_tokens=True; tools, tool messages and thinking are refused (400).
     """
 
-    name = "plain"
     supports_tools = False
     keep_special_tokens = False
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                      reasoning_effort: str | None = None) -> PromptInputs:
+                      chat_template_kwargs: Mapping[str, Any] | None = None, reasoning_effort: str | None = None) -> PromptInputs:
         if tools:
             raise ProtocolError("tools: this model has no native tool-call format", "tools")
         for i, message in enumerate(messages):

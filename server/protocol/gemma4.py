@@ -8,13 +8,9 @@ The format (Google's Gemma-4 prompt-formatting guide; the public Gemma-4 parsers
   bare keys, strings between `<|"|>` tokens, other values as in JSON; results come back in the same model turn as
   `<|tool_response>response:NAME{...}<tool_response|>` (a stop id: the model waits for the result there).
 
-Request side (`Gemma4Protocol.prompt_inputs`): OpenAI messages as the template takes them: tool-call arguments parsed
-into objects, `role: "tool"` messages given the called function's `name` (found by `tool_call_id`) and their content
-parsed when it is a JSON object (the template renders objects natively), `enable_thinking` from
-`chat_template_kwargs` / `reasoning_effort` ("none" = off; default off).
-
-Constraint side: `Gemma4Protocol.calls` is the call grammar (gemma4_grammar.py) and `stop_tokens` are `<turn|>` and
-`<|tool_response>`.
+Request side (`Gemma4Protocol.prompt_inputs`): `role: "tool"` messages are given the called function's `name` (found
+by `tool_call_id`) and their content parsed when it is a JSON object (the template renders objects natively);
+thinking is off by default. The call grammar, for forced tool calls: gemma4_grammar.py.
 
 Response side (`Gemma4Parser`): fed the text decoded *with* special tokens, in chunks split anywhere. Deliberate
 choices (tests/test_protocol_gemma4.py pins each):
@@ -73,6 +69,8 @@ _MAX_HELD = 48  # an unclosed "<" this close to the end may still become a speci
 _NAME = re.compile(r"\s*(?:call:)?\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
 _BARE_CALL = re.compile(r"call:([A-Za-z_][\w.\-]*)\{")
 _BARE_START = re.compile(r"(?<![\w.\-])call:")
+_BARE_PREFIX = re.compile(r"call:(?:[A-Za-z_][\w.\-]*)?")  # may still grow into `call:NAME{`
+_NAME_CHAR = re.compile(r"[\w.\-]")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _BARE_KEY = re.compile(r"[^\s:{}\[\],<>]+")
 _BARE_VALUE = re.compile(r"[^,}\]<]+")
@@ -89,7 +87,6 @@ def call_id() -> str:
 
 
 class Gemma4Protocol(ChatProtocol):
-    name = "gemma4"
     supports_tools = True
     keep_special_tokens = True
     stop_tokens = STOP_TOKENS
@@ -106,8 +103,7 @@ class Gemma4Protocol(ChatProtocol):
         return GEMMA4_CALLS
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                      reasoning_effort: str | None = None) -> PromptInputs:
+                      chat_template_kwargs: Mapping[str, Any] | None = None, reasoning_effort: str | None = None) -> PromptInputs:
         thinking = thinking_from(chat_template_kwargs, reasoning_effort)
         converted = openai_messages(messages)
         names_by_id: dict[str, str] = {}
@@ -308,9 +304,7 @@ class Gemma4Parser(OutputParser):
     def _clean(self, text: str) -> str:
         def replace(match: re.Match[str]) -> str:
             token = match.group()
-            if token == QUOTE:
-                return '"'
-            return "" if token in self._special else token
+            return '"' if token == QUOTE else "" if token in self._special else token
 
         return _SPECIAL_TEXT.sub(replace, text)
 
@@ -323,7 +317,7 @@ class Gemma4Parser(OutputParser):
         if self._tools and self._mode == "content":
             for n in range(1, 5):  # "c", "ca", "cal", "call" at the end, standing where a bare call could start
                 start = len(text) - n
-                if start >= 0 and "call:"[:n] == text[start:] and (start == 0 or not _is_name_char(text[start - 1])):
+                if start >= 0 and "call:"[:n] == text[start:] and (start == 0 or not _NAME_CHAR.match(text[start - 1])):
                     held = min(held, start)
                     break
         return held
@@ -333,8 +327,7 @@ class Gemma4Parser(OutputParser):
             (self._reasoning if self._mode == "reasoning" else self._content).append(self._clean(text))
 
     def _emit_call(self, name: str, arguments: dict[str, Any]) -> None:
-        self._out_calls.append(ToolCallDelta(self._calls, self._new_id(), name,
-                                             json.dumps(arguments, ensure_ascii=False)))
+        self._out_calls.append(ToolCallDelta(self._calls, self._new_id(), name, json.dumps(arguments, ensure_ascii=False)))
         self._calls += 1
 
     def _drain(self, final: bool) -> None:
@@ -353,16 +346,11 @@ class Gemma4Parser(OutputParser):
         """Emit the text before the first of `patterns` (or of a bare `call:`) and return that marker, the buffer now
         starting with it. With none in the buffer: emit it, except a tail that may still become one (all of it when
         final), and return None."""
-        best: tuple[int, str] | None = None
-        for pattern in patterns:
-            at = self._buf.find(pattern)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, pattern)
-        if bare:
-            match = _BARE_START.search(self._buf)
-            if match and (best is None or match.start() < best[0]):
-                best = (match.start(), "call:")
-        at, marker = best or (len(self._buf) if final else self._held_from(self._buf), None)
+        found = [(at, pattern) for pattern in patterns if (at := self._buf.find(pattern)) >= 0]
+        if bare and (match := _BARE_START.search(self._buf)):
+            found.append((match.start(), "call:"))
+        # The earliest one (no two of these texts can start at the same index: none is a prefix of another).
+        at, marker = min(found, default=None) or (len(self._buf) if final else self._held_from(self._buf), None)
         self._emit_text(self._buf[:at])
         self._buf = self._buf[at:]
         return marker
@@ -384,7 +372,7 @@ class Gemma4Parser(OutputParser):
         match = _BARE_CALL.match(rest)
         end = None if match is None else _closing_brace(rest, match.end() - 1)
         if end is None:  # not (yet) a whole `call:NAME{...}`: held while it may still become one
-            growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _could_start_bare_call(rest)
+            growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _BARE_PREFIX.fullmatch(rest) is not None
             if final or not growing:
                 self._emit_text("call:")
                 self._buf = rest[len("call:"):]
@@ -436,15 +424,6 @@ class Gemma4Parser(OutputParser):
             self._emit_text(body)  # not a call (or cut short): the text comes back as content
         else:
             self._emit_call(*parsed)
-
-
-def _is_name_char(char: str) -> bool:
-    return char.isalnum() or char in "_.-"
-
-
-def _could_start_bare_call(text: str) -> bool:
-    """`text` (starting with "call:") may still grow into `call:NAME{`."""
-    return re.fullmatch(r"call:(?:[A-Za-z_][\w.\-]*)?", text) is not None
 
 
 def _closing_brace(text: str, start: int) -> int | None:

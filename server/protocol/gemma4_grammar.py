@@ -1,10 +1,5 @@
-"""Gemma-4's tool calls as a grammar: what the constraint planner enforces under a forced `tool_choice`.
-
-`GEMMA4_CALLS` is the protocol's `CallFormat` (server.constraints.constraint): the marker texts of gemma4.py, the
-thought channel, and `call_grammar`, which writes Lark for `(thought)? <|tool_call>call:NAME{...}<tool_call|>` (one or
-more; exactly one with `parallel_tool_calls: false`) to the declared functions, whose arguments follow Gemma's syntax
-and the function's JSON schema (`GemmaGrammar`, a bounded converter: unsupported keywords raise `ConstraintError`).
-"""
+"""Gemma-4's tool calls as a grammar, what the constraint planner enforces under a forced `tool_choice`: `GEMMA4_CALLS`
+is the protocol's `CallFormat`, its arguments written by `GemmaGrammar` (a bounded JSON-schema converter)."""
 
 from __future__ import annotations
 
@@ -13,32 +8,16 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.constraints.constraint import ConstraintError, function_of, with_thought
+from server.constraints.constraint import ConstraintError, function_of
 from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
 
 if TYPE_CHECKING:
     from server.constraints.vocab import ConstraintLimits, GrammarVocab
 
 
-class Gemma4Calls:
-    """Gemma-4's `CallFormat`."""
-
-    call_open = CALL_OPEN
-    call_close = CALL_CLOSE
-    thought = (CHANNEL_OPEN, CHANNEL_CLOSE)
-
-    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
-                     parallel: bool, thought: bool) -> str:
-        return tool_call_grammar(vocab, tools, names, parallel=parallel, thought=thought)
-
-
-GEMMA4_CALLS = Gemma4Calls()
-
-
-def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
-                      parallel: bool = True, thought: bool = False) -> str:
-    """Lark for `(thought)? <|tool_call>call:NAME{args}<tool_call|>` (+ more calls when `parallel`), NAME among
-    `names` (all tools when None), args valid for NAME's JSON schema in Gemma's syntax."""
+def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> str:
+    """Lark rules defining `call`: `<|tool_call>call:NAME{args}<tool_call|>`, NAME among `names` (all tools when None),
+    args valid for NAME's JSON schema in Gemma's syntax."""
     limits = vocab.limits
     if len(tools) > limits.max_tools:
         raise ConstraintError(f"{len(tools)} tools; the limit is {limits.max_tools}", "tools")
@@ -56,10 +35,20 @@ def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], n
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         args = builder.arguments(parameters, f"tools[{i}].function.parameters")
         alternatives.append(f"{_literal(function['name'])} {args}")
-    call = (f"call: {vocab.special(CALL_OPEN)} \"call:\" ({' | '.join(alternatives)}) {vocab.special(CALL_CLOSE)}")
-    body = "call+" if parallel else "call"
-    head = with_thought(vocab, body, Gemma4Calls.thought if thought else None)
-    return head + call + "\n" + "\n".join(builder.rules) + "\n"
+    call = f"call: {vocab.special(CALL_OPEN)} \"call:\" ({' | '.join(alternatives)}) {vocab.special(CALL_CLOSE)}"
+    return call + "\n" + "\n".join(builder.rules) + "\n"
+
+
+class Gemma4Calls:
+    """Gemma-4's `CallFormat` (server.constraints.constraint)."""
+
+    call_open = CALL_OPEN
+    call_close = CALL_CLOSE
+    thought = (CHANNEL_OPEN, CHANNEL_CLOSE)
+    call_grammar = staticmethod(tool_call_grammar)
+
+
+GEMMA4_CALLS = Gemma4Calls()
 
 
 def _literal(text: str) -> str:
@@ -159,8 +148,7 @@ class GemmaGrammar:
         if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
             raise ConstraintError(f"{where}: bad minLength/maxLength", where)
         if max(low, high or 0) > self.limits.max_string_length:
-            raise ConstraintError(f"{where}: string lengths above {self.limits.max_string_length} are not supported",
-                                  where)
+            raise ConstraintError(f"{where}: string lengths above {self.limits.max_string_length} are not supported", where)
         repeat = "*" if low == 0 and high is None else f"{{{low},{'' if high is None else high}}}"
         # Text tokens only (special tokens never match a regex), and never the characters of the delimiter's text.
         terminal = self._terminal(f"/(?s:.{repeat})/ & ~/(?s:.*<\\|\"\\|>.*)/")

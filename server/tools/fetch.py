@@ -68,16 +68,8 @@ class FetchError(Exception):
         self.code = code
 
 
-def fetch(
-    repo: str,
-    dest: Path | str,
-    *,
-    revision: str | None = None,
-    token: str | None = None,
-    graph: str = "auto",
-    endpoint: str | None = None,
-    free_bytes: FreeBytes | None = None,
-) -> int:
+def fetch(repo: str, dest: Path | str, *, revision: str | None = None, token: str | None = None, graph: str = "auto",
+          endpoint: str | None = None, free_bytes: FreeBytes | None = None) -> int:
     """Download `repo` (at `revision`, default the main branch) into `dest`, verify, validate; return an exit code.
 
     `endpoint` overrides `HF_ENDPOINT`; `free_bytes(dest)` replaces the disk-space probe (both for tests).
@@ -119,10 +111,8 @@ def fetch(
     return EXIT_OK
 
 
-def _fetch_locked(
-    repo: str, dest: Path, *, revision: str | None, token: str | None, graph: str, endpoint: str | None,
-    free_bytes: FreeBytes,
-) -> None:
+def _fetch_locked(repo: str, dest: Path, *, revision: str | None, token: str | None, graph: str, endpoint: str | None,
+                  free_bytes: FreeBytes) -> None:
     commit, files = list_remote_files(repo, revision=revision, token=token, endpoint=endpoint)
     where = f"{repo}@{commit[:12]}" if commit else repo
     if not files:
@@ -139,11 +129,8 @@ def _fetch_locked(
 
     bad = verify(dest, files)
     if bad:
-        raise FetchError(
-            EXIT_CORRUPT,
-            "downloaded files do not match the Hub (removed, so the next fetch downloads them again):\n  - "
-            + "\n  - ".join(bad),
-        )
+        raise FetchError(EXIT_CORRUPT, "downloaded files do not match the Hub (removed, so the next fetch downloads them "
+                                       "again):\n  - " + "\n  - ".join(bad))
     try:
         validate(dest, graph)
     except ArtifactError as exc:
@@ -151,9 +138,8 @@ def _fetch_locked(
     log.info("fetch: %s complete for --graph %s (%s, verified)", dest, graph, where)
 
 
-def list_remote_files(
-    repo: str, *, revision: str | None, token: str | None, endpoint: str | None
-) -> tuple[str | None, list[RemoteFile]]:
+def list_remote_files(repo: str, *, revision: str | None, token: str | None,
+                      endpoint: str | None) -> tuple[str | None, list[RemoteFile]]:
     """The commit `revision` resolves to, and the allow-listed files there with their sizes and hashes."""
     from huggingface_hub import HfApi
     from huggingface_hub.utils import filter_repo_objects
@@ -163,15 +149,8 @@ def list_remote_files(
     except Exception as exc:  # noqa: BLE001 - every failure here is "the Hub said no / is unreachable"
         raise FetchError(EXIT_HUB, f"cannot list {repo}@{revision or 'main'} on the Hub: {_reason(exc)}") from None
     siblings = filter_repo_objects(info.siblings or [], allow_patterns=list(ALLOW_PATTERNS), key=lambda s: s.rfilename)
-    files = [
-        RemoteFile(
-            path=s.rfilename,
-            size=s.lfs.size if s.lfs is not None else s.size,
-            sha256=s.lfs.sha256 if s.lfs is not None else None,
-            blob_id=None if s.lfs is not None else s.blob_id,
-        )
-        for s in siblings
-    ]
+    files = [RemoteFile(s.rfilename, size=s.size, sha256=None, blob_id=s.blob_id) if s.lfs is None else
+             RemoteFile(s.rfilename, size=s.lfs.size, sha256=s.lfs.sha256, blob_id=None) for s in siblings]
     return info.sha, sorted(files, key=lambda f: f.path)
 
 
@@ -192,13 +171,10 @@ def check_disk_space(dest: Path, files: Iterable[RemoteFile], free_bytes: FreeBy
         return 0
     free = (free_bytes or _disk_free)(dest)
     if needed + HEADROOM_BYTES > free:
-        raise FetchError(
-            EXIT_DISK,
-            f"not enough disk space in {dest}: {pending} files still to download need {needed} bytes "
-            f"({_human(needed)}) + {_human(HEADROOM_BYTES)} headroom, but only {free} bytes ({_human(free)}) are free. "
-            "Free some space or mount a larger volume at the artifact directory, then run again "
-            "(files already complete are kept).",
-        )
+        raise FetchError(EXIT_DISK, f"not enough disk space in {dest}: {pending} files still to download need {needed} "
+                         f"bytes ({_human(needed)}) + {_human(HEADROOM_BYTES)} headroom, but only {free} bytes "
+                         f"({_human(free)}) are free. Free some space or mount a larger volume at the artifact "
+                         "directory, then run again (files already complete are kept).")
     return needed
 
 
@@ -316,7 +292,3 @@ def _reason(exc: BaseException) -> str:
         text = text[:400] + "..."
     name = type(exc).__name__
     return f"{name}: {text}" if text else name
-
-
-__all__ = ["EXIT_CORRUPT", "EXIT_DISK", "EXIT_HUB", "EXIT_INVALID", "EXIT_OK", "RemoteFile", "check_disk_space",
-           "fetch", "list_remote_files", "verify"]

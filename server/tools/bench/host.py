@@ -38,31 +38,14 @@ SAMPLINGS = (("", DEFAULT_SAMPLING), ("_greedy", {"temperature": 0.0}))
 
 # The Gemma-4 26B-A4B text config (facts of the published build); only its shapes matter here.
 CONFIG_26B: dict[str, Any] = {
-    "model_type": "gemma4_text",
-    "architectures": ["Gemma4ForCausalLM"],
-    "_name_or_path": "gemma-4-26B-A4B-it-bench",
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "intermediate_size": 2112,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 256,
-    "global_head_dim": 512,
-    "num_global_key_value_heads": 2,
-    "sliding_window": 1024,
+    "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "_name_or_path": "gemma-4-26B-A4B-it-bench",
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2112, "num_hidden_layers": 30,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+    "num_global_key_value_heads": 2, "sliding_window": 1024,
     "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
-    "enable_moe_block": True,
-    "num_experts": 128,
-    "top_k_experts": 8,
-    "moe_intermediate_size": 704,
-    "attention_k_eq_v": True,
-    "final_logit_softcapping": 30.0,
-    "hidden_size_per_layer_input": 0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 2,
-    "eos_token_id": [1, 106],
-    "pad_token_id": 0,
+    "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "attention_k_eq_v": True, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
 }
 
 
@@ -258,8 +241,7 @@ class _Server:
             [sys.executable, "-m", "server", "serve", "--artifacts", str(root), "--graph", "null", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", "--null-step-ms", str(step_ms),
              "--cache-dir", str(cache_dir), "--lazy-grammar"],  # no grammar build disturbing the figures
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         import httpx
 
         self.client = httpx.Client(timeout=120)
