@@ -47,8 +47,6 @@ class Service:
         self.metrics = metrics
         self._waiters: dict[RequestHandle, asyncio.Task[None]] = {}  # released requests awaiting their Finish
 
-    # ----------------------------------------------------------------- running requests
-
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """All or none (a request's choices are admitted together, back to back)."""
         try:

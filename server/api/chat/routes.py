@@ -45,17 +45,8 @@ from server.api.schemas import (
 from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
 from server.constraints.constraint import ConstraintSpec
-from server.engine.types import (
-    Delta,
-    Finish,
-    GenerationRequest,
-    RequestHandle,
-    SamplingParams,
-)
+from server.engine.types import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams
 from server.errors import APIError
-
-# ----------------------------------------------------------------------------------------------------------
-# Routes
 
 
 class OpenAIRoutes:
