@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import re
@@ -171,9 +172,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, gramm
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def protected(endpoint: Endpoint) -> Endpoint:
-        return _require_key(settings.api_key, endpoint)
-
+    protected = functools.partial(_require_key, settings.api_key)
     routes = [
         Route("/v1/chat/completions", protected(api.chat_completions), methods=["POST"]),
         Route("/v1/completions", protected(api.completions), methods=["POST"]),

@@ -60,8 +60,11 @@ class OutputConstraints:
             spec = await anyio.to_thread.run_sync(plan)
         except InvalidRequest as exc:
             raise invalid(exc.message, exc.param or "response_format") from None
-        if spec is not None:
-            _check_fields(body)
+        for name in ("ignore_eos", "min_tokens"):
+            if spec is not None and getattr(body, name):
+                raise APIError(400, f"{name}: cannot be combined with a constrained output (response_format or a "
+                               "tool_choice that forces or forbids calls): the grammar decides where it may end",
+                               param=name, code="invalid_value")
         return spec
 
     async def _vocab(self) -> Any:
@@ -91,11 +94,3 @@ def _constraint_fields(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
         return None
     return {"response_format": response_format, "tools": tools, "tool_choice": choice,
             "parallel_tool_calls": body.parallel_tool_calls is not False}
-
-
-def _check_fields(body: ChatCompletionRequest) -> None:
-    for name in ("ignore_eos", "min_tokens"):
-        if getattr(body, name):
-            raise APIError(400, f"{name}: cannot be combined with a constrained output (response_format or a "
-                           "tool_choice that forces or forbids calls): the grammar decides where it may end",
-                           param=name, code="invalid_value")
