@@ -79,15 +79,16 @@ class Service:
             if not finished:
                 self.release(handle)
 
-    def release(self, handle: RequestHandle) -> None:
-        """The caller is gone: cancel the request (frees the device within one step) and still count and log its
+    def release(self, *handles: RequestHandle) -> None:
+        """The caller is gone: cancel the requests (frees the device within one step) and still count and log each
         Finish when it comes. A no-op for requests already finished or released."""
-        if handle.delivered or handle in self._waiters:
-            return
-        handle.cancel()
-        task = asyncio.ensure_future(self._await_finish(handle))
-        self._waiters[handle] = task
-        task.add_done_callback(lambda _: self._waiters.pop(handle, None))
+        for handle in handles:
+            if handle.delivered or handle in self._waiters:
+                continue
+            handle.cancel()
+            task = asyncio.ensure_future(self._await_finish(handle))
+            self._waiters[handle] = task
+            task.add_done_callback(lambda _, handle=handle: self._waiters.pop(handle, None))
 
     async def _await_finish(self, handle: RequestHandle) -> None:
         try:

@@ -118,12 +118,8 @@ class OpenAIRoutes:
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
         if stream:
-            def release() -> None:
-                for handle in handles:
-                    self.service.release(handle)
-
-            return GenerationStream(self._stream(handles, fmts, n, include_usage), release,
-                                    ping_s=self.settings.sse_ping_s)
+            return GenerationStream(self._stream(handles, fmts, n, include_usage),
+                                    functools.partial(self.service.release, *handles), ping_s=self.settings.sse_ping_s)
         try:
             done = await self.service.collect(request, handles)
         except ClientGone:
