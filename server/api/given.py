@@ -14,8 +14,6 @@ from server.protocol.base import ChatProtocol
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """The facts about the served model that the HTTP layer needs."""
-
     name: str
     max_total: int  # context: prompt + completion
     vocab_size: int
@@ -30,8 +28,6 @@ class ModelInfo:
 
 
 class EngineAPI(Protocol):
-    """The engine's public surface, as `api/` uses it (server.engine.engine.Engine is one)."""
-
     @property
     def state(self) -> str: ...
     @property

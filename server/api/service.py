@@ -1,7 +1,6 @@
-"""What the routes drive: the engine's requests, their metrics and logging, client disconnects and drain.
+"""What the routes drive (`Service`): the engine's requests, their metrics and logging, client disconnects and drain.
 
-The engine's refusals and a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere
-else. Nothing here touches a tensor.
+The engine's refusals and a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere else.
 """
 
 from __future__ import annotations
@@ -38,9 +37,6 @@ class ClientGone(Exception):
 
 
 class Service:
-    """The requests the routes submit: submission, their events (with metrics and one log line each), release of
-    requests whose client left, drain."""
-
     def __init__(self, settings: Settings, engine: EngineAPI, metrics: Metrics) -> None:
         self.settings = settings
         self.engine = engine

@@ -49,8 +49,7 @@ class OutputConstraints:
             self.grammar.start()
 
     async def plan(self, body: ChatCompletionRequest, inputs: PromptInputs) -> ConstraintSpec | None:
-        """The request's output constraint, or None. Waits (bounded) for the grammar vocabulary while it is still being
-        built after start-up; compiles off the event loop (bounded by the compiler's limits)."""
+        """The request's output constraint, or None; compiled off the event loop, within the compiler's limits."""
         request = _constraint_fields(body)
         if request is None:
             return None

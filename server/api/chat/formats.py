@@ -1,6 +1,5 @@
 """The response JSON of chat (`ChatFormat`) and legacy completions (`CompletionFormat`): one choice's stream chunks or
-its entry in the body, built from engine events, logprobs included, and `usage`. The routes only drive a format.
-"""
+its entry in the body, built from engine events, logprobs included, and `usage`. The routes only drive a format."""
 
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:
 
 
 class _Format:
-    """Builds one choice's parts of the response (its stream chunks, its entry in the body) from engine events.
-
-    Each format adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
+    """One choice's format. Each adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
     final_chunks(reason); choice(text, deltas, finish) -> its entry in the non-stream body's `choices`."""
 
     object_name = ""

@@ -1,7 +1,6 @@
 """The body of `POST /v1/responses` as pydantic models: `ResponsesRequest`, its input items (`InputItem`), tools and
-settings, on the shared bases (`server.api.http`). What OpenAI has and this server cannot honour (`conversation`,
-hosted tools, `truncation: "auto"`, background responses, `include`) is a 400 naming it, never silently dropped.
-"""
+settings. What OpenAI has and this server cannot honour (`conversation`, hosted tools, `truncation: "auto"`,
+background responses, `include`) is a 400 naming it, never silently dropped."""
 
 from __future__ import annotations
 
