@@ -28,8 +28,8 @@ class Envelope:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+    def wrap(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
 
 def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:

@@ -125,9 +125,7 @@ class OpenAIRoutes:
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         choices = [fmt.choice(c.text, c.deltas, c.finish) for fmt, c in zip(fmts, done, strict=True)]
-        envelope = fmts[0].envelope
-        return JSONResponse({**envelope.wrap(fmts[0].object_name, choices),
-                             "usage": usage([c.finish for c in done], n)})
+        return JSONResponse(fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n)))
 
     async def _stream(self, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
@@ -149,7 +147,7 @@ class OpenAIRoutes:
                     for payload in fmt.final_chunks(event.reason):
                         yield frame(payload)
             if include_usage:
-                yield frame({**envelope.wrap(fmts[0].chunk_object_name, []), "usage": usage(finishes, n)})
+                yield frame(envelope.wrap(fmts[0].chunk_object_name, [], usage=usage(finishes, n)))
         except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
             yield frame(self.service.stream_failure(exc, envelope.id).to_json())
         yield frame(DONE)
