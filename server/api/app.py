@@ -85,9 +85,8 @@ def _clip(text: str, limit: int) -> str:
 
 
 class RequestIdMiddleware:
-    """Takes the client's `X-Request-Id` (if sane) or makes one; puts it in `request.state` and every response.
-
-    Also puts a fresh `completion_id` in `request.state`, unique per request whatever the client sends."""
+    """Takes the client's `X-Request-Id` (if sane) or makes one, and a fresh `completion_id` (unique per request
+    whatever the client sends): both in `request.state`, the id in every response."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

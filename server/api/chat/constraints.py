@@ -39,7 +39,6 @@ class GrammarSource(Protocol):
 
 class OutputConstraints:
     def __init__(self, protocol: ChatProtocol, grammar: GrammarSource | None) -> None:
-        """`grammar` None: this app was given no grammar vocabulary; a constrained request is then a 500."""
         self.protocol = protocol
         self.grammar = grammar
 
