@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import re
@@ -84,9 +85,8 @@ def _clip(text: str, limit: int) -> str:
 
 
 class RequestIdMiddleware:
-    """Takes the client's `X-Request-Id` (if sane) or makes one; puts it in `request.state` and every response.
-
-    Also puts a fresh `completion_id` in `request.state`, unique per request whatever the client sends."""
+    """Takes the client's `X-Request-Id` (if sane) or makes one, and a fresh `completion_id` (unique per request
+    whatever the client sends): both in `request.state`, the id in every response."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -132,24 +132,21 @@ def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
 
 
 class _App(Starlette):
-    """Starlette with CORS (when configured) outside its whole middleware stack, error middleware included."""
+    """Starlette with CORS (when `allowed_origins` is set) outside its whole middleware stack, error middleware included."""
 
-    def __init__(self, *args: object, cors: dict[str, object] | None, **kwargs: object) -> None:
+    def __init__(self, *args: object, settings: Settings, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._cors = cors
+        self._settings = settings
 
     def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()
-        return CORSMiddleware(stack, **self._cors) if self._cors else stack  # type: ignore[arg-type]
-
-
-def _cors(settings: Settings) -> dict[str, object] | None:
-    if not settings.allowed_origins:
-        return None
-    # No credentials (cookies) are used: the key travels in a header, which the allowed headers must include.
-    return {"allow_origins": list(settings.allowed_origins), "allow_methods": list(settings.allowed_methods),
-            "allow_headers": list(settings.allowed_headers), "expose_headers": ["X-Request-Id", "Retry-After"],
-            "max_age": 600}
+        s = self._settings
+        if not s.allowed_origins:
+            return stack
+        # No credentials (cookies) are used: the key travels in a header, which the allowed headers must include.
+        return CORSMiddleware(stack, allow_origins=list(s.allowed_origins), allow_methods=list(s.allowed_methods),
+                              allow_headers=list(s.allowed_headers), expose_headers=["X-Request-Id", "Retry-After"],
+                              max_age=600)
 
 
 def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, grammar: GrammarSource | None = None,
@@ -171,9 +168,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, gramm
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def protected(endpoint: Endpoint) -> Endpoint:
-        return _require_key(settings.api_key, endpoint)
-
+    protected = functools.partial(_require_key, settings.api_key)
     routes = [
         Route("/v1/chat/completions", protected(api.chat_completions), methods=["POST"]),
         Route("/v1/completions", protected(api.completions), methods=["POST"]),
@@ -204,7 +199,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, gramm
 
     app = _App(
         routes=routes,
-        cors=_cors(settings),
+        settings=settings,
         middleware=[Middleware(MetricsMiddleware, metrics=metrics, routes=known), Middleware(RequestIdMiddleware)],
         exception_handlers={APIError: error_response, HTTPException: error_response, Exception: error_response},
         lifespan=lifespan,

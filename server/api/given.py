@@ -14,8 +14,6 @@ from server.protocol.base import ChatProtocol
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """The facts about the served model that the HTTP layer needs."""
-
     name: str
     max_total: int  # context: prompt + completion
     vocab_size: int
@@ -30,8 +28,6 @@ class ModelInfo:
 
 
 class EngineAPI(Protocol):
-    """The engine's public surface, as `api/` uses it (server.engine.engine.Engine is one)."""
-
     @property
     def state(self) -> str: ...
     @property
@@ -42,7 +38,6 @@ class EngineAPI(Protocol):
     def running(self) -> int: ...
     @property
     def admitted(self) -> int: ...
-    def submit(self, request: GenerationRequest) -> RequestHandle: ...
     def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]: ...
     def start(self) -> None: ...
     def stop(self, timeout: float = 5.0) -> None: ...

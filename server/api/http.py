@@ -121,15 +121,12 @@ def parse(model: type[Body], raw: bytes) -> Body:
             raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
         ctx = error.get("ctx") or {}
         loc = tuple(error["loc"])
-        if "param" in ctx:
-            loc = (*loc, ctx["param"])
-        elif "loc" in ctx:
-            loc = (*loc, ctx["loc"])
-        param = _param(loc)
+        named = ctx.get("param", ctx.get("loc"))  # our custom errors name their field in ctx
+        param = _param(loc if named is None else (*loc, named))
         message = error["msg"].removeprefix("Value error, ")
-        if "loc" in ctx or "param" in ctx:  # the message already names the field; prefix the path that leads to it
-            prefix = _param(tuple(error["loc"]))
+        if named is not None:  # the message already names the field; prefix the path that leads to it
+            prefix = _param(loc)
             message = f"{prefix}.{message}" if prefix else message
-            raise APIError(400, message, param=param, code="invalid_value") from None
-        raise APIError(400, f"{param}: {message}" if param else message, param=param,
-                       code="invalid_value") from None
+        elif param:
+            message = f"{param}: {message}"
+        raise APIError(400, message, param=param, code="invalid_value") from None

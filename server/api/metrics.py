@@ -23,30 +23,27 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 
 class Metrics:
     def __init__(self, engine: EngineAPI) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=r)
-        self.errors = Counter(f"{PREFIX}_errors", "Errors by status code (HTTP and in-band stream errors)",
-                              ["status"], registry=r)
-        self.finished = Counter(f"{PREFIX}_requests_finished", "Generation requests by finish reason", ["reason"],
-                                registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
-        self.prefix_hit_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens",
-                                         "Prompt tokens reused from the device KV cache", registry=r)
-        self.graph_calls = Counter(f"{PREFIX}_graph_calls", "Graph (device) calls: prefill chunks and decode steps",
-                                   registry=r)
-        self.device_seconds = Counter(f"{PREFIX}_device_seconds", "Time inside graph calls (the device's share; "
-                                      "the rest of a request's time is queueing and host work)", registry=r)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Submission to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Gap between consecutive tokens",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Submission to finish",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "Submission to start on the device",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.registry = r = CollectorRegistry(auto_describe=True)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=r)
+
+        self.requests = counter("http_requests", "HTTP requests by route and status", "route", "status")
+        self.errors = counter("errors", "Errors by status code (HTTP and in-band stream errors)", "status")
+        self.finished = counter("requests_finished", "Generation requests by finish reason", "reason")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.prefix_hit_tokens = counter("prefix_cache_hit_tokens", "Prompt tokens reused from the device KV cache")
+        self.graph_calls = counter("graph_calls", "Graph (device) calls: prefill chunks and decode steps")
+        self.device_seconds = counter("device_seconds", "Time inside graph calls (the device's share; the rest of a "
+                                      "request's time is queueing and host work)")
+        self.ttft = histogram("time_to_first_token_seconds", "Submission to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Submission to finish")
+        self.queue_wait = histogram("queue_wait_seconds", "Submission to start on the device")
         Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the device", registry=r).set_function(
             lambda: engine.queue_depth)
         Gauge(f"{PREFIX}_requests_running", "Requests on the device (0 or 1)", registry=r).set_function(

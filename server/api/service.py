@@ -1,7 +1,6 @@
-"""What the routes drive: the engine's requests, their metrics and logging, client disconnects and drain.
+"""What the routes drive (`Service`): the engine's requests, their metrics and logging, client disconnects and drain.
 
-The engine's refusals and a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere
-else. Nothing here touches a tensor.
+The engine's refusals and a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere else.
 """
 
 from __future__ import annotations
@@ -38,16 +37,11 @@ class ClientGone(Exception):
 
 
 class Service:
-    """The requests the routes submit: submission, their events (with metrics and one log line each), release of
-    requests whose client left, drain."""
-
     def __init__(self, settings: Settings, engine: EngineAPI, metrics: Metrics) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
         self._waiters: dict[RequestHandle, asyncio.Task[None]] = {}  # released requests awaiting their Finish
-
-    # ----------------------------------------------------------------- running requests
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """All or none (a request's choices are admitted together, back to back)."""
@@ -81,15 +75,16 @@ class Service:
             if not finished:
                 self.release(handle)
 
-    def release(self, handle: RequestHandle) -> None:
-        """The caller is gone: cancel the request (frees the device within one step) and still count and log its
+    def release(self, *handles: RequestHandle) -> None:
+        """The caller is gone: cancel the requests (frees the device within one step) and still count and log each
         Finish when it comes. A no-op for requests already finished or released."""
-        if handle.delivered or handle in self._waiters:
-            return
-        handle.cancel()
-        task = asyncio.ensure_future(self._await_finish(handle))
-        self._waiters[handle] = task
-        task.add_done_callback(lambda _: self._waiters.pop(handle, None))
+        for handle in handles:
+            if handle.delivered or handle in self._waiters:
+                continue
+            handle.cancel()
+            task = asyncio.ensure_future(self._await_finish(handle))
+            self._waiters[handle] = task
+            task.add_done_callback(lambda _, handle=handle: self._waiters.pop(handle, None))
 
     async def _await_finish(self, handle: RequestHandle) -> None:
         try:

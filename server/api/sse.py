@@ -31,14 +31,11 @@ def frame(payload: Mapping[str, Any] | str, event: str | None = None) -> bytes:
     return f"{head}data: {data}\n\n".encode()
 
 
-def _ping() -> ServerSentEvent:
-    return ServerSentEvent(comment="ping", sep="\n")
-
-
 class GenerationStream(EventSourceResponse):
     def __init__(self, body: AsyncIterable[bytes], release: Callable[[], None], *, ping_s: float,
                  headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(body, headers=headers, ping=ping_s, sep="\n", ping_message_factory=_ping)
+        super().__init__(body, headers=headers, ping=ping_s, sep="\n",
+                         ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"))
         self._release = release  # cancels the engine request unless it already finished
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

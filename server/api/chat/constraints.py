@@ -39,7 +39,6 @@ class GrammarSource(Protocol):
 
 class OutputConstraints:
     def __init__(self, protocol: ChatProtocol, grammar: GrammarSource | None) -> None:
-        """`grammar` None: this app was given no grammar vocabulary; a constrained request is then a 500."""
         self.protocol = protocol
         self.grammar = grammar
 
@@ -49,8 +48,7 @@ class OutputConstraints:
             self.grammar.start()
 
     async def plan(self, body: ChatCompletionRequest, inputs: PromptInputs) -> ConstraintSpec | None:
-        """The request's output constraint, or None. Waits (bounded) for the grammar vocabulary while it is still being
-        built after start-up; compiles off the event loop (bounded by the compiler's limits)."""
+        """The request's output constraint, or None; compiled off the event loop, within the compiler's limits."""
         request = _constraint_fields(body)
         if request is None:
             return None
@@ -60,8 +58,11 @@ class OutputConstraints:
             spec = await anyio.to_thread.run_sync(plan)
         except InvalidRequest as exc:
             raise invalid(exc.message, exc.param or "response_format") from None
-        if spec is not None:
-            _check_fields(body)
+        for name in ("ignore_eos", "min_tokens"):
+            if spec is not None and getattr(body, name):
+                raise APIError(400, f"{name}: cannot be combined with a constrained output (response_format or a "
+                               "tool_choice that forces or forbids calls): the grammar decides where it may end",
+                               param=name, code="invalid_value")
         return spec
 
     async def _vocab(self) -> Any:
@@ -91,11 +92,3 @@ def _constraint_fields(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
         return None
     return {"response_format": response_format, "tools": tools, "tool_choice": choice,
             "parallel_tool_calls": body.parallel_tool_calls is not False}
-
-
-def _check_fields(body: ChatCompletionRequest) -> None:
-    for name in ("ignore_eos", "min_tokens"):
-        if getattr(body, name):
-            raise APIError(400, f"{name}: cannot be combined with a constrained output (response_format or a "
-                           "tool_choice that forces or forbids calls): the grammar decides where it may end",
-                           param=name, code="invalid_value")

@@ -1,6 +1,5 @@
 """The response JSON of chat (`ChatFormat`) and legacy completions (`CompletionFormat`): one choice's stream chunks or
-its entry in the body, built from engine events, logprobs included, and `usage`. The routes only drive a format.
-"""
+its entry in the body, built from engine events, logprobs included, and `usage`. The routes only drive a format."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from typing import Any
 from server.api.chat.prompts import Prompts
 from server.engine.types import Delta, Finish, TokenLogprob
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta, collect
-from server.protocol.base import PlainParser
 
 _LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf
 
@@ -30,8 +28,8 @@ class Envelope:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+    def wrap(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
 
 def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:
@@ -41,33 +39,27 @@ def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+@dataclass
 class _Format:
-    """Builds one choice's parts of the response (its stream chunks, its entry in the body) from engine events.
-
-    Each format adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
+    """One choice's format. Each adds: opening() -> chunks before the first token; chunk(Delta) -> a chunk or None;
     final_chunks(reason); choice(text, deltas, finish) -> its entry in the non-stream body's `choices`."""
 
     object_name = ""
     chunk_object_name = ""
-
-    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool) -> None:
-        self.prompts = prompts
-        self.envelope = envelope
-        self.index = index
-        self.logprobs = logprobs
+    prompts: Prompts
+    envelope: Envelope
+    index: int
+    logprobs: bool
 
 
+@dataclass
 class ChatFormat(_Format):
     """Chat responses: the generated text goes through the protocol's parser, which splits it into content, the
     thought channel (`reasoning_content`) and tool calls (`tool_calls`, finish_reason "tool_calls")."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
-
-    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool,
-                 parser: OutputParser | None = None) -> None:
-        super().__init__(prompts, envelope, index, logprobs)
-        self.parser = parser or PlainParser()
+    parser: OutputParser
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.prompts.token_info(token_id)

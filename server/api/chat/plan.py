@@ -17,8 +17,7 @@ from server.protocol import OutputParser, PromptInputs
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """A chat request checked, rendered and compiled: what each of its choices submits, and how its output parses.
-    The one path from a chat-shaped request to the engine (chat completions, and the Responses API through it)."""
+    """A chat request checked, rendered and compiled: what each of its choices submits, and how its output parses."""
 
     model: str
     ids: list[int]

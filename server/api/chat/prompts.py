@@ -1,8 +1,7 @@
 """The model as the routes see it: its name, its vocabulary and context checks, and its tokenizer (off the event loop).
 
-Everything model-specific comes from the `ModelInfo` (tokenizer with its chat template, the protocol detected at
-start-up, vocabulary size, context size); nothing here branches on the model type or touches a tensor. Output
-constraints are planned in constraints.py.
+Everything model-specific comes from the `ModelInfo` (its tokenizer and chat template, the protocol detected at
+start-up, vocabulary and context sizes): nothing here branches on the model type.
 """
 
 from __future__ import annotations

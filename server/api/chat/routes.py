@@ -45,17 +45,8 @@ from server.api.schemas import (
 from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
 from server.constraints.constraint import ConstraintSpec
-from server.engine.types import (
-    Delta,
-    Finish,
-    GenerationRequest,
-    RequestHandle,
-    SamplingParams,
-)
+from server.engine.types import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams
 from server.errors import APIError
-
-# ----------------------------------------------------------------------------------------------------------
-# Routes
 
 
 class OpenAIRoutes:
@@ -127,20 +118,14 @@ class OpenAIRoutes:
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
         if stream:
-            def release() -> None:
-                for handle in handles:
-                    self.service.release(handle)
-
-            return GenerationStream(self._stream(handles, fmts, n, include_usage), release,
-                                    ping_s=self.settings.sse_ping_s)
+            return GenerationStream(self._stream(handles, fmts, n, include_usage),
+                                    functools.partial(self.service.release, *handles), ping_s=self.settings.sse_ping_s)
         try:
             done = await self.service.collect(request, handles)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         choices = [fmt.choice(c.text, c.deltas, c.finish) for fmt, c in zip(fmts, done, strict=True)]
-        envelope = fmts[0].envelope
-        return JSONResponse({**envelope.wrap(fmts[0].object_name, choices),
-                             "usage": usage([c.finish for c in done], n)})
+        return JSONResponse(fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n)))
 
     async def _stream(self, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
@@ -162,7 +147,7 @@ class OpenAIRoutes:
                     for payload in fmt.final_chunks(event.reason):
                         yield frame(payload)
             if include_usage:
-                yield frame({**envelope.wrap(fmts[0].chunk_object_name, []), "usage": usage(finishes, n)})
+                yield frame(envelope.wrap(fmts[0].chunk_object_name, [], usage=usage(finishes, n)))
         except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
             yield frame(self.service.stream_failure(exc, envelope.id).to_json())
         yield frame(DONE)

@@ -46,12 +46,10 @@ def listed_item(item: dict[str, Any]) -> dict[str, Any]:
 
 
 class OutputBuilder:
-    """The generated text, through the plan's parser, as output items, and the stream events that build them in order
-    (each event a dict with its `type`; the stream adds `sequence_number`).
-
-    Items: a `reasoning` item for the thought channel, a `message` item for visible text, a `function_call` item per
-    complete call; a new item starts whenever the kind of text changes. Events carry copies: an item keeps growing
-    after its `output_item.added` was sent."""
+    """The generated text as output items (through the plan's parser) and their events in order (each a dict with its
+    `type`; the stream adds `sequence_number`): a `reasoning` item for the thought channel, a `message` item for visible
+    text, a `function_call` item per complete call, a new item whenever the kind of text changes. Events carry copies:
+    an item keeps growing after its `output_item.added` was sent."""
 
     def __init__(self, parser: OutputParser, *, summary: bool = False) -> None:
         self.parser = parser

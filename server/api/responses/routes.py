@@ -1,10 +1,6 @@
-"""OpenAI's Responses API (`POST /v1/responses`; `GET`, `DELETE /v1/responses/{id}`, and its `/input_items`) on the
-chat path.
-
-A Responses request is translated into a `ChatCompletionRequest` (`translate`) and planned and submitted through the
-chat package's `ChatPlanner`: the same checks, the same prompt through the model's protocol and chat template, the same
-output constraints and the same output parser as `/v1/chat/completions`. What is new here is only the shape: the
-conversation as items (`schemas`), the answer as output items and the stream as OpenAI's typed events (`builder`).
+"""The Responses API's routes: `POST /v1/responses`, planned and submitted through the chat package's `ChatPlanner`
+(the same checks, prompt, constraints and parser as `/v1/chat/completions`; only the shape is new), `GET` and `DELETE
+/v1/responses/{id}`, and its `/input_items`.
 
 Deliberate choices (do not "fix" these without reading why):
 - A stored response keeps its whole conversation (see store.py); `previous_response_id` continues it.
@@ -70,12 +66,9 @@ class ResponsesRoutes:
         if not conversation:
             raise APIError(400, "input: required (a string or a list of items)", param="input", code="invalid_value")
         chat_body = chat_request(body, INPUT_ITEMS.validate_python(conversation))
-        try:
-            plan = await self.chat.plan_chat(chat_body)
-        except APIError as exc:
-            raise in_responses_terms(exc) from None
         response_id = f"resp_{request.state.completion_id}"
         try:
+            plan = await self.chat.plan_chat(chat_body)
             (handle,) = self.chat.submit_plan(plan, chat_body, 1, param="input", request_id=response_id)
         except APIError as exc:
             raise in_responses_terms(exc) from None
@@ -83,14 +76,14 @@ class ResponsesRoutes:
         builder = OutputBuilder(plan.new_parser(), summary=(body.reasoning or ReasoningConfig()).asked_summary is not None)
 
         def keep(response: dict[str, Any]) -> None:
+            if body.store is False:
+                return
             inputs = [listed_item(item) for item in given]  # ids for the items sent without one: only when stored
-            stored = self.store.put(response, [*conversation, *response["output"]], inputs)
-            if not stored:
+            if not self.store.put(response, [*conversation, *response["output"]], inputs):
                 log.warning("%s: not stored (larger than --responses-store-bytes, or storing is off)", response_id)
 
-        store = keep if body.store is not False else None
         if body.stream:
-            return GenerationStream(self._stream(handle, builder, shell, store),
+            return GenerationStream(self._stream(handle, builder, shell, keep),
                                     lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
         try:
             (done,) = await self.service.collect(request, [handle])
@@ -100,12 +93,11 @@ class ResponsesRoutes:
             builder.feed(delta)
         builder.finish(done.finish.reason)
         response = finished(shell, builder, done.finish)
-        if store:
-            store(response)
+        keep(response)
         return JSONResponse(response)
 
     async def _stream(self, handle: RequestHandle, builder: OutputBuilder, shell: dict[str, Any],
-                      store: Callable[[dict[str, Any]], None] | None) -> AsyncIterator[bytes]:
+                      keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
         numbers = itertools.count()
 
         def event(payload: dict[str, Any]) -> bytes:
@@ -122,17 +114,12 @@ class ResponsesRoutes:
                 for payload in builder.finish(engine_event.reason):
                     yield event(payload)
                 response = finished(shell, builder, engine_event)
-                if store:
-                    store(response)
+                keep(response)
                 yield event({"type": f"response.{response['status']}", "response": response})
         except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
-            yield event(self._failed(shell, builder, self.service.stream_failure(exc, shell["id"]).message))
-
-    @staticmethod
-    def _failed(shell: dict[str, Any], builder: OutputBuilder, message: str) -> dict[str, Any]:
-        response = {**shell, "status": "failed", "output": copy.deepcopy(builder.items),
-                    "error": {"code": "server_error", "message": message}}
-        return {"type": "response.failed", "response": response}
+            error = {"code": "server_error", "message": self.service.stream_failure(exc, shell["id"]).message}
+            failed = {**shell, "status": "failed", "output": copy.deepcopy(builder.items), "error": error}
+            yield event({"type": "response.failed", "response": failed})
 
     # ------------------------------------------------------------------ GET, DELETE /v1/responses/{id}, input_items
 

@@ -1,13 +1,12 @@
 """The body of `POST /v1/responses` as pydantic models: `ResponsesRequest`, its input items (`InputItem`), tools and
-settings, on the shared bases (`server.api.http`). What OpenAI has and this server cannot honour (`conversation`,
-hosted tools, `truncation: "auto"`, background responses, `include`) is a 400 naming it, never silently dropped.
-"""
+settings. What OpenAI has and this server cannot honour (`conversation`, hosted tools, `truncation: "auto"`,
+background responses, `include`) is a 400 naming it, never silently dropped."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, field_validator, model_validator
+from pydantic import BeforeValidator, Field, TypeAdapter, field_validator, model_validator
 
 from server.api.http import BodyPart, RequestBody
 from server.api.schemas import joined_text_parts
@@ -23,13 +22,17 @@ REFUSED = {
 }
 
 
-def _texts(value: Any, allowed: tuple[str, ...]) -> str:
-    """A string, or text parts joined as chat content parts are; any other part is refused."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise ValueError(f"must be a string or a list of {' / '.join(allowed)} parts")
-    return joined_text_parts(value, allowed)
+def _text(*allowed: str) -> BeforeValidator:
+    """A string, or text parts of the `allowed` types joined as chat content parts are; any other part is refused."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"must be a string or a list of {' / '.join(allowed)} parts")
+        return joined_text_parts(value, allowed)
+
+    return BeforeValidator(text)
 
 
 class _Item(BodyPart):
@@ -39,12 +42,7 @@ class _Item(BodyPart):
 class MessageItem(_Item):
     type: Literal["message"]
     role: Literal["user", "system", "developer", "assistant"]
-    content: str
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text(cls, value: Any) -> Any:
-        return _texts(value, ("input_text", "output_text"))
+    content: Annotated[str, _text("input_text", "output_text")]
 
 
 class FunctionCallItem(_Item):
@@ -57,12 +55,7 @@ class FunctionCallItem(_Item):
 class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: str
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _text(cls, value: Any) -> Any:
-        return _texts(value, ("input_text",))
+    output: Annotated[str, _text("input_text")]
 
 
 class ReasoningText(BodyPart):

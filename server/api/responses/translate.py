@@ -1,7 +1,6 @@
 """A Responses request as a `ChatCompletionRequest` (`chat_request`): its conversation as chat messages, its tools,
 tool_choice, text format and reasoning effort as the chat fields. A chat-path error is given back naming the Responses
-field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the chat field (`in_responses_terms`).
-"""
+field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the chat field (`in_responses_terms`)."""
 
 from __future__ import annotations
 
