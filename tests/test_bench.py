@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from server.tools.bench.host import CONFIG_26B
+from tests.gemma4_tokenizer import gemma4_cfg_dir
 from tests.models import CACHE
 from tests.support.configs import GEMMA4_26B_A4B
 
@@ -52,3 +53,17 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
 def test_bench_measures_at_the_published_26b_shapes() -> None:
     """The bench's stand-in config is the published build's, as the tests record it (not taken from the bench)."""
     assert {**CONFIG_26B, "_name_or_path": None} == {**GEMMA4_26B_A4B, "_name_or_path": None}
+
+
+@pytest.mark.slow
+def test_bench_constraints_runs_alone_on_a_tokenizer_dir(tmp_path: Path) -> None:
+    """`python -m server bench constraints CFG_DIR`: the mask's cost on that tokenizer, the tool-call case included on
+    a Gemma-4-format one; the same report (a table, then the JSON line, also written to --json)."""
+    out = tmp_path / "constraints.json"
+    done = subprocess.run([sys.executable, "-m", "server", "bench", "constraints", str(gemma4_cfg_dir()), "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    for case in ("json_schema", "json_object", "tool_call"):
+        assert results[f"constraint_mask_ms_p50_{case}"] > 0, (case, sorted(results))
