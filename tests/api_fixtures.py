@@ -115,7 +115,7 @@ class LiveServer:
         self.settings = config
         self.engine = engine
         self.host = host
-        self.app = create_app(config, engine, host.info, grammar=host.grammar, page=chat_page_html())
+        self.app = create_app(config, engine, host.info, page=chat_page_html())
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)

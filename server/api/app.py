@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.chat.constraints import GrammarSource, OutputConstraints
+from server.api.chat.constraints import OutputConstraints
 from server.api.chat.prompts import Prompts
 from server.api.chat.routes import OpenAIRoutes
 from server.api.given import EngineAPI, ModelInfo
@@ -149,14 +149,11 @@ class _App(Starlette):
                               max_age=600)
 
 
-def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, grammar: GrammarSource | None = None,
-               page: bytes | None = None) -> Starlette:
-    """`grammar`: the host's grammar vocabulary (server.app.runtime.Host.grammar, the one the engine builds matchers
-    with; None: constrained output answers 500). `page`: the chat page's HTML served at `/` (server.app.page reads it;
-    None or `--no-ui`: no page)."""
+def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page: bytes | None = None) -> Starlette:
+    """`page`: the chat page's HTML served at `/` (server.app.page reads it; None or `--no-ui`: no page)."""
     metrics = Metrics(engine)
     service, prompts = Service(settings, engine, metrics), Prompts(model)
-    constraints = OutputConstraints(model.protocol, grammar)
+    constraints = OutputConstraints(model.protocol, model.grammar)
     api = OpenAIRoutes(service, prompts, constraints)
     responses = ResponsesRoutes(service, api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
 
@@ -205,6 +202,6 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, gramm
         lifespan=lifespan,
     )
     app.state.drain = service.drain
-    app.state.service, app.state.prompts, app.state.grammar = service, prompts, grammar
+    app.state.service, app.state.prompts, app.state.grammar = service, prompts, model.grammar
     app.state.response_store = responses.store
     return app

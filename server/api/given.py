@@ -1,6 +1,6 @@
 """What `api/` is given by the composition root (server.app): the engine, as the surface the routes use (`EngineAPI`;
-server.engine.engine.Engine is one), and the served model's facts (`ModelInfo`). Declared here, by the side that
-needs them, so the engine knows nothing of the API and the API nothing of how the host is assembled."""
+server.engine.engine.Engine is one), and the served model's facts and grammar vocabulary (`ModelInfo`). Declared here,
+by the side that needs them, so the engine knows nothing of the API and the API nothing of how the host is assembled."""
 
 from __future__ import annotations
 
@@ -10,6 +10,15 @@ from typing import Any, Protocol
 
 from server.engine.types import GenerationRequest, RequestHandle
 from server.protocol.base import ChatProtocol
+
+
+class GrammarSource(Protocol):
+    """The grammar vocabulary as the API uses it (server.constraints.vocab.VocabLoader is one)."""
+
+    def start(self) -> None: ...
+    @property
+    def started(self) -> bool: ...
+    def wait(self, timeout: float) -> Any: ...  # a GrammarVocab, or None while it builds; RuntimeError if it failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +34,9 @@ class ModelInfo:
     # output and plans constraints through it.
     protocol: ChatProtocol
     stop_token_ids: tuple[int, ...] = ()  # eos, the generation config's other stop ids and the protocol's
+    # The host's grammar vocabulary, the one its engine builds each run's matcher with (one source for both);
+    # None: constrained output answers 500.
+    grammar: GrammarSource | None = None
 
 
 class EngineAPI(Protocol):

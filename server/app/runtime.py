@@ -47,7 +47,7 @@ class Host:
         """What the HTTP layer is told about the model."""
         return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
                          generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer,
-                         stop_token_ids=self.stop_token_ids, protocol=self.protocol)
+                         stop_token_ids=self.stop_token_ids, protocol=self.protocol, grammar=self.grammar)
 
 
 def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:

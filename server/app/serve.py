@@ -96,7 +96,7 @@ def serve(settings: Settings, listener: socket.socket | None = None) -> int:
             return 1
         release_freed_memory()
         engine = build_engine(host, settings)
-        app = create_app(settings, engine, host.info, grammar=host.grammar, page=chat_page_html())
+        app = create_app(settings, engine, host.info, page=chat_page_html())
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5, server_header=False)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 
 from server.api.chat.prompts import invalid
+from server.api.given import GrammarSource
 from server.api.schemas import ChatCompletionRequest
 from server.constraints.constraint import ConstraintSpec
 from server.constraints.planner import plan_constraint
@@ -26,15 +27,6 @@ from server.protocol import ChatProtocol, PromptInputs
 # waits this long for it, then gets a 503 with Retry-After.
 GRAMMAR_WAIT_S = 60.0
 GRAMMAR_RETRY_AFTER_S = 10
-
-
-class GrammarSource(Protocol):
-    """The grammar vocabulary as the API uses it (server.constraints.vocab.VocabLoader is one)."""
-
-    def start(self) -> None: ...
-    @property
-    def started(self) -> bool: ...
-    def wait(self, timeout: float) -> Any: ...  # a GrammarVocab, or None while it builds; RuntimeError if it failed
 
 
 class OutputConstraints:
