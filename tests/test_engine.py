@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.app.runtime import Host, build_engine, load_host
+from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.config import Settings
 from server.constraints.constraint import StopAfter
 from server.engine.engine import Engine
@@ -216,6 +216,29 @@ def test_a_constrained_request_is_a_value_the_engine_runs_again(tiny_engine: Eng
     assert first.token_ids == free[:free.index(closing) + 1] and first.finish.reason == "stop"
     assert again.token_ids == first.token_ids and again.finish.reason == "stop"
 
+
+
+def test_a_constraint_that_cannot_be_built_fails_its_request_alone(tiny_host: Host) -> None:
+    """Building a run's matcher is the request's business: when it fails (say a grammar compiled again fails), that
+    request ends with an error and the device's cache is kept, so the next turn still reuses its prefix."""
+
+    def unbuildable(spec: object) -> None:
+        raise RuntimeError("no matcher for this spec")
+
+    engine = Engine(tiny_host.embedding, tiny_host.tokenizer, tiny_host.stop_token_ids,
+                    graph_loader(tiny_host), constraints=unbuildable)  # type: ignore[arg-type]
+    engine.start()
+    assert engine.wait_ready(30), engine.state_reason
+    try:
+        prompt = prompt_of(20)
+        run(engine, prompt, 2, sampling=GREEDY)
+        _, _, failed = run(engine, prompt + [5], 2, sampling=GREEDY, constraint=StopAfter(1))
+        assert failed.reason == "error" and "no matcher for this spec" in (failed.error or "")
+        assert engine.admitted == 0 and engine.state == "ok"
+        _, _, after = run(engine, prompt + [5, 6], 2, sampling=GREEDY)
+        assert after.reason == "length" and after.reused_tokens >= len(prompt)  # the cache was not reset
+    finally:
+        engine.stop()
 
 def test_gemma3_270m_knows_the_capital_of_france() -> None:
     """A real model from PyPI (GGUF -> export -> hf graph), served by the engine."""

@@ -306,7 +306,13 @@ class Engine:
         if handle.started > self._deadline(handle):  # it ran out between two watchdog sweeps of the queue
             self._expire(handle)
             return
-        seq = self._sequence(handle)
+        try:
+            seq = self._sequence(handle)
+        except Exception as exc:  # noqa: BLE001 - e.g. a constraint's grammar compiled again: this request's fault, not
+            # the device's, so the cache (and the next request's prefix) stays as it is
+            log.exception("request %s could not start", handle.request.request_id)
+            self._retire(handle, self._finish(handle, "error", error=f"{type(exc).__name__}: {exc}"))
+            return
         seq.reused_tokens, kept = self._kv.reuse(handle.request.prompt_ids, self.prefix_reuse)
         self._scheduler.add(seq, seq.reused_tokens)
         if kept is not None:  # the same prompt as the last one, all of it still in the cache: no prefill at all
@@ -362,7 +368,10 @@ class Engine:
             self._end(seq, delta)
 
     def _end(self, seq: Sequence, last: Delta | None = None) -> None:
-        """`seq` ended (its reason set): its last token's Delta, the held-back text, then the Finish."""
+        """`seq` ended (its reason set): its last token's Delta (out first: a failing flush cannot lose it), the
+        held-back text, then the Finish."""
         self._scheduler.remove(seq)
+        if last is not None:
+            seq.handle.publish(last)
         tail, finish = seq.finish(self._watch.graph_calls, self._watch.device_s)
-        self._retire(seq.handle, *(delta for delta in (last, tail) if delta is not None), finish)
+        self._retire(seq.handle, *(delta for delta in (tail,) if delta is not None), finish)

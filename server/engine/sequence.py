@@ -5,7 +5,7 @@
 - A stop id is emitted as an empty Delta (its id, no text); a stop string's text is cut where the stop begins.
 - A grammar that finished allows only a stop id: the sequence ends there, with no device step to sample it.
 - What the detokenizer and the stop matcher hold back for a continuation is released at the end, unless a stop
-  id or string ended the text (then the held text was the start of the stop, or nothing).
+  id or string ended the text (then the held text was the start of the stop, or nothing) or an error did.
 """
 
 from __future__ import annotations

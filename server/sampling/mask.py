@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from server.constraints.constraint import Constraint
+from server.sampling.params import TokenConstraint
 
 _FEW_WORDS = 256  # up to this many 32-bit words to expand (8,192 ids), the sparse paths beat a full unpack
 _ALL = np.int32(-1)
@@ -27,7 +27,7 @@ class MaskPlan(NamedTuple):
 
 
 class TokenMask:
-    """A reusable bitmask buffer for one vocabulary size, with recent masks' plans (one per engine thread)."""
+    """A reusable bitmask buffer for one vocabulary size, with recent masks' plans (one per constrained Sampler)."""
 
     def __init__(self, vocab_size: int, plans: int = 16) -> None:
         self.vocab_size = vocab_size
@@ -35,7 +35,7 @@ class TokenMask:
         self._plans: OrderedDict[bytes, MaskPlan] = OrderedDict()
         self._max_plans = plans
 
-    def apply_(self, constraint: Constraint, logits: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    def apply_(self, constraint: TokenConstraint, logits: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """Fill the mask from `constraint` and set the disallowed entries of `logits` ([V] float, modified) to -inf.
         `softcap`: also apply Gemma's soft-cap to the allowed entries (cap(-inf) is -30, so it cannot come after)."""
         constraint.fill_mask(self.bits)
