@@ -1,5 +1,5 @@
 """Gemma-4's protocol through the OpenAI API, end to end: a tiny random Gemma-4 served with the Gemma-4-format
-tokenizer and chat template (tests/gemma4_tokenizer.py), over HTTP.
+tokenizer and chat template (tests/support/gemma4_tokenizer.py), over HTTP.
 
 - A scripted graph (a stand-in device: the real tiny graph, whose logits are overridden while a script is set to force
   a chosen token sequence) drives the output parser through the engine and SSE: plain answer, thought then answer,
@@ -27,9 +27,9 @@ from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.graphs.base import Graph
 from server.protocol import Gemma4Protocol, PlainProtocol
 from server.tools.export import export
-from tests.api_fixtures import LiveServer, WrappedGraph, live_server, null_host, settings
-from tests.gemma4_tokenizer import GEMMA4_TOKENS, gemma4_cfg_dir
-from tests.models import tiny_gemma4_checkpoint
+from tests.support.api_fixtures import LiveServer, WrappedGraph, live_server, null_host, settings
+from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, gemma4_cfg_dir
+from tests.support.models import tiny_gemma4_checkpoint
 
 MODEL = "gemma4-tiny"
 MAX_TOTAL = 512

@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from server.app.runtime import build_engine, graph_loader
 from server.app.serve import serve
 from server.graphs.base import Graph
-from tests.api_fixtures import LiveServer, null_host, settings, slow_loader, spawn_serve
+from tests.support.api_fixtures import LiveServer, null_host, settings, slow_loader, spawn_serve
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings
+from tests.support.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings
 
 MODEL = "gemma-test"
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from server.app.runtime import build_engine
 from server.engine.types import Completion, GenerationRequest
 from server.sampling.params import SamplingParams
-from tests.api_fixtures import LiveServer, hf_host, live_server, metric, settings
+from tests.support.api_fixtures import LiveServer, hf_host, live_server, metric, settings
 
 MODEL = "gemma-test"
 QUESTION = "Question: What is the capital of France?\nAnswer:"

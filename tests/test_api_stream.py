@@ -19,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 from server.app.runtime import build_engine
-from tests.api_fixtures import LiveServer, SlowGraph, live_server, null_host, settings, slow_loader
+from tests.support.api_fixtures import LiveServer, SlowGraph, live_server, null_host, settings, slow_loader
 from tests.support.wait import until, wait_until
 
 STEP_S = 0.05

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from server.tools.bench.host import CONFIG_26B
-from tests.gemma4_tokenizer import gemma4_cfg_dir
-from tests.models import CACHE
 from tests.support.configs import GEMMA4_26B_A4B
+from tests.support.gemma4_tokenizer import gemma4_cfg_dir
+from tests.support.models import CACHE
 
 KEYS = {
     "host_overhead_ms_per_token_p50", "host_overhead_ms_per_token_p99",

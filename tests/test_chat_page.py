@@ -31,8 +31,8 @@ from server.api.page import chat_page
 from server.app.page import chat_page_html
 from server.app.runtime import build_engine
 from server.config import Settings
-from tests.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader
-from tests.browser import launched_chromium
+from tests.support.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader
+from tests.support.browser import launched_chromium
 from tests.support.wait import wait_until
 
 WAIT_MS = 120_000

@@ -32,7 +32,7 @@ from server.protocol import collect
 from server.protocol.gemma4 import Gemma4Protocol
 from server.protocol.gemma4_grammar import GEMMA4_CALLS
 from server.sampling.mask import TokenMask, apply_bitmask_
-from tests.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir
+from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir
 
 V = 262_144
 CALL_OPEN, CALL_CLOSE = GEMMA4_TOKENS["<|tool_call>"], GEMMA4_TOKENS["<tool_call|>"]

@@ -17,7 +17,7 @@ from server.api.app import create_app
 from server.app.page import chat_page_html
 from server.app.runtime import build_engine
 from server.config import Settings
-from tests.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
+from tests.support.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
 
 ORIGIN = "http://front.example:3000"
 HI = [{"role": "user", "content": "hi"}]

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from tests.api_fixtures import API_KEY, free_port, live_server, settings
-from tests.browser import launched_chromium
+from tests.support.api_fixtures import API_KEY, free_port, live_server, settings
+from tests.support.browser import launched_chromium
 from tests.support.wait import wait_until
 
 # What a front-end on another origin does: a JSON POST with a bearer key (both make the browser send a preflight).

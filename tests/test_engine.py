@@ -24,7 +24,7 @@ from server.engine.types import Completion, Finish, GenerationRequest, QueueFull
 from server.graphs.base import Graph
 from server.sampling.params import SamplingParams
 from server.tools.export import export
-from tests.models import demo_dir, tiny_gemma4_checkpoint
+from tests.support.models import demo_dir, tiny_gemma4_checkpoint
 
 BUCKET, MAX = 16, 128
 GREEDY = SamplingParams(temperature=0.0)

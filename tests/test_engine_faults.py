@@ -20,7 +20,7 @@ from server.engine.types import Finish, GenerationRequest
 from server.graphs.base import Graph
 from server.graphs.null import NullGraph
 from server.sampling.params import SamplingParams
-from tests.api_fixtures import SlowGraph, null_host, settings
+from tests.support.api_fixtures import SlowGraph, null_host, settings
 from tests.support.wait import until, wait_until
 
 GREEDY = SamplingParams(temperature=0.0)

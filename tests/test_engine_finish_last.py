@@ -22,7 +22,7 @@ from server.engine.types import Finish, GenerationRequest, RequestHandle
 from server.graphs.base import Graph
 from server.graphs.null import NullGraph
 from server.sampling.params import SamplingParams
-from tests.api_fixtures import SlowGraph, null_host, settings
+from tests.support.api_fixtures import SlowGraph, null_host, settings
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from server.model.artifacts import validate
-from tests.hub_standin import HubStandIn, make_tiny_repo
+from tests.support.hub_standin import HubStandIn, make_tiny_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "entrypoint.sh"
@@ -235,7 +235,7 @@ def _server_env(artifacts: Path, graph: str, tmp_path: Path, **extra: str) -> di
 @needs_api
 @pytest.mark.slow
 def test_serves_the_demo_answers_a_chat_and_exits_cleanly_on_sigterm(tmp_path: Path, servers: list[Server]) -> None:
-    from tests.models import demo_dir
+    from tests.support.models import demo_dir
 
     server = Server(_server_env(demo_dir(), "hf", tmp_path), tmp_path / "server.log")
     servers.append(server)
@@ -264,7 +264,7 @@ def test_serves_the_demo_answers_a_chat_and_exits_cleanly_on_sigterm(tmp_path: P
 def test_empty_volume_is_fetched_from_the_hub_then_served(tmp_path: Path, servers: list[Server]) -> None:
     """The first start of a container: an empty /data, the Hub (here a local stand-in serving the demo's
     files: cfg/, the 641 MB embedding, graph.json, and an hf/ checkpoint that must stay behind), GRAPH=null."""
-    from tests.models import demo_dir
+    from tests.support.models import demo_dir
 
     data = tmp_path / "data"
     data.mkdir()

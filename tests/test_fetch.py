@@ -19,7 +19,7 @@ import pytest
 
 from server.model.artifacts import validate
 from server.tools.fetch import EXIT_CORRUPT, EXIT_DISK, EXIT_HUB, EXIT_INVALID, HEADROOM_BYTES, check_disk_space, fetch
-from tests.hub_standin import COMMIT, HubStandIn, make_tiny_repo
+from tests.support.hub_standin import COMMIT, HubStandIn, make_tiny_repo
 
 REPO = "acme/tiny-artifacts"
 ROOT = Path(__file__).resolve().parents[1]

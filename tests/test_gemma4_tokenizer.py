@@ -1,4 +1,4 @@
-"""The Gemma-4-format test tokenizer (tests/gemma4_tokenizer.py) and its chat template: single-token markers inside
+"""The Gemma-4-format test tokenizer (tests/support/gemma4_tokenizer.py) and its chat template: single-token markers inside
 the 262,144 logits, the format rendered as Gemma-4 defines it, the same text through transformers (the reference)
 and through HostTokenizer, and a round trip through the protocol."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from server.model.tokenizer import HostTokenizer
 from server.protocol import Gemma4Protocol, PlainProtocol, collect, detect_protocol
-from tests.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir, source_tokenizer_json
+from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir, source_tokenizer_json
 
 Q = '<|"|>'
 TOOLS = [{"type": "function", "function": {

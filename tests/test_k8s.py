@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from server.config import OPTIONS, Settings
-from tests.api_fixtures import live_server, settings
+from tests.support.api_fixtures import live_server, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"

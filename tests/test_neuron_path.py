@@ -1,6 +1,6 @@
 """The Neuron load path (issue 16), as far as it can be held without Inferentia.
 
-- `serve --graph jit` with a stand-in `neuronx_distributed` on the path (tests/neuron_standin: a stand-in for an
+- `serve --graph jit` with a stand-in `neuronx_distributed` on the path (tests/support/neuron_standin: a stand-in for an
   external system that cannot run here, kept minimal; see its docstring). Its import does what NxD's does under
   transformers 5 (imports `transformers.utils.fx`, which fails unless our stand-in for that module is installed
   first); it records how the graph is loaded and makes the loaded graph behave as on the device (weights pushed
@@ -27,11 +27,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.api_fixtures import free_port
+from tests.support.api_fixtures import free_port
 from tests.test_recipe import BUCKET, MAX, H, recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-STANDIN = Path(__file__).resolve().parent / "neuron_standin"
+STANDIN = Path(__file__).resolve().parent / "support" / "neuron_standin"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from server.__main__ import build_parser, main
-from tests.api_fixtures import ROOT, free_port, live_server, settings
-from tests.models import CACHE, demo_dir
+from tests.support.api_fixtures import ROOT, free_port, live_server, settings
+from tests.support.models import CACHE, demo_dir
 
 README = ROOT / "README.md"
 

@@ -26,7 +26,7 @@ def _load_helpers():
     # By path: works whether or not tests/ is a package and whatever is on sys.path.
     name = "recipe_helpers"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("recipe_helpers.py"))
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "support" / "recipe_helpers.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

@@ -294,7 +294,7 @@ def test_roofline_of_26b_a4b(tmp_path, capsys):
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_served_selective_build_matches_generate(tmp_path, quant):
     from server.app.runtime import build_engine, load_host
-    from tests.models import tokenizer_dir
+    from tests.support.models import tokenizer_dir
     from tests.test_recipe_served import expected, prompt_ids, run
 
     reference = H.make_tiny_hf(seed=3)

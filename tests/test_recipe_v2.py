@@ -1,7 +1,7 @@
 """Contract v2 end to end on CPU: the recipe's `--contract v2` build served by `--graph jit`, token for token
 against transformers.
 
-The tiny Gemma-4 (tests/models.py, vocab 262144, sliding window 12) is built with two prefill buckets (8, 32) and
+The tiny Gemma-4 (tests/support/models.py, vocab 262144, sliding window 12) is built with two prefill buckets (8, 32) and
 `--weights separate`, so one run proves the ring KV (44 slots for a window of 12), the indexed writes, the masks
 built inside the graph, the bucket planning and the memory-mapped per-rank weights. Prompts of a few hundred
 tokens cross the window and the buckets many times; a 3-turn chat diverges once inside the ring's reach (its
@@ -33,8 +33,8 @@ from server.errors import ArtifactError
 from server.graphs.jit import JitGraphV2
 from server.model.artifacts import GraphSpec, validate
 from server.sampling.params import SamplingParams
-from tests.models import tiny_gemma4_checkpoint
-from tests.recipe_helpers import SCRIPT
+from tests.support.models import tiny_gemma4_checkpoint
+from tests.support.recipe_helpers import SCRIPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api_fixtures import LiveServer, live_server, settings
+from tests.support.api_fixtures import LiveServer, live_server, settings
 from tests.support.wait import wait_until
 
 HI = [{"role": "user", "content": "Hi"}]

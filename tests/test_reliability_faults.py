@@ -25,7 +25,7 @@ import pytest
 
 from server.app.runtime import build_engine, graph_loader
 from server.graphs.base import Graph
-from tests.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
+from tests.support.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
 from tests.support.wait import wait_until
 
 HI = [{"role": "user", "content": "Hi"}]

@@ -28,7 +28,7 @@ from server.api.schemas import (
     TokenizeRequest,
 )
 from server.errors import APIError
-from tests.api_fixtures import LiveServer, live_server, settings
+from tests.support.api_fixtures import LiveServer, live_server, settings
 
 _FUZZ = hsettings(derandomize=True, database=None, deadline=None, print_blob=True,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

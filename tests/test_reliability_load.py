@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from server.app.runtime import build_engine
-from tests.api_fixtures import LiveServer, null_host, settings, slow_loader
+from tests.support.api_fixtures import LiveServer, null_host, settings, slow_loader
 from tests.support.wait import wait_until
 
 STEP_S = 0.003

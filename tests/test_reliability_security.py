@@ -31,8 +31,8 @@ from server.errors import ArtifactError
 from server.model.artifacts import validate
 from server.model.embedding import open_table
 from server.tools.fetch import RemoteFile, verify
-from tests.api_fixtures import LiveServer, live_server, settings
-from tests.models import demo_dir
+from tests.support.api_fixtures import LiveServer, live_server, settings
+from tests.support.models import demo_dir
 
 KEY = "sk-reliability-ключ"  # non-ASCII on purpose: clients send it as UTF-8 bytes
 HI = [{"role": "user", "content": "Hi"}]

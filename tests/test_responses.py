@@ -1,6 +1,6 @@
 """`/v1/responses` with the official `openai` SDK against a live server.
 
-- The tiny random Gemma-4 (tests/gemma4_tokenizer.py), its output forced by a scripted graph (a stand-in device) where
+- The tiny random Gemma-4 (tests/support/gemma4_tokenizer.py), its output forced by a scripted graph (a stand-in device) where
   the test needs a given answer (a thought, a call), or left random under a grammar (a JSON schema): plain, streamed
   (event types and order, the same text as non-streamed), reasoning items, function calls and their outputs, three
   turns through `previous_response_id`. Every rebuilt prompt is checked against the prompt the chat route renders for
@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from server.app.runtime import Host, build_engine, graph_loader
 from server.engine.engine import Engine
-from tests.api_fixtures import API_KEY, ROOT, LiveServer, live_server, null_host, settings, slow_loader
+from tests.support.api_fixtures import API_KEY, ROOT, LiveServer, live_server, null_host, settings, slow_loader
 from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, ScriptedGraph, gemma4_host
 
 # The Responses API's flat function-tool shape.

@@ -13,7 +13,7 @@ from server.sampling.params import SamplingParams
 from server.sampling.primitives import argmax, candidates, topk
 from server.sampling.sampler import Sampler
 from server.tools.bench.host import full_sort_top_p
-from tests.sampling_reference import candidate_distribution, reference_probs
+from tests.support.sampling_reference import candidate_distribution, reference_probs
 
 V = 262_144  # Gemma's vocabulary: the fast paths only engage at realistic sizes
 CAP = 30.0  # Gemma-4's final-logit soft-cap

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from server.model import cache as cache_module
 from server.model import tokenizer as host_tokenizer
 from server.model.tokenizer import HostTokenizer
-from tests.models import tokenizer_dir
+from tests.support.models import tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

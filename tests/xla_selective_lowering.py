@@ -39,7 +39,7 @@ def load(path: Path, name: str):
 
 
 recipe = load(ROOT / "server" / "vendor" / "tp_mb_moe_sqz.py", "tp_mb_moe_sqz")
-TINY = load(ROOT / "tests" / "recipe_helpers.py", "recipe_helpers").TINY
+TINY = load(ROOT / "tests" / "support" / "recipe_helpers.py", "recipe_helpers").TINY
 
 
 def compilations() -> int:

@@ -1,2 +1,2 @@
-"""What tests share: waiting on state (`wait`), and later the fixtures and references. Nothing here is imported from
-server/ as a reference: a test's oracle lives with the tests."""
+"""What tests share: fixtures (live servers, stand-in devices and hubs, the tiny models), waiting on state
+(`wait.wait_until`, never sleeps), and the tests' own references (sampling, the 26B config). Never imported by server/."""

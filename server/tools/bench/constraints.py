@@ -7,7 +7,7 @@ other processes taking the core). Also the one-time vocabulary build and the per
 0.5 ms per token at p50. Requests without a constraint pay nothing: they never build one.
 
 Run alone: `python -m server bench constraints CFG_DIR` (a tokenizer directory: the demo's cfg/ has the real 262k
-Gemma tokenizer; tests/gemma4_tokenizer.py builds a Gemma-4-format one, which adds the tool-call case).
+Gemma tokenizer; tests/support/gemma4_tokenizer.py builds a Gemma-4-format one, which adds the tool-call case).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from tests.models import tokenizer_dir
+from tests.support.models import tokenizer_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "server" / "vendor" / "tp_mb_moe_sqz.py"
 
 

@@ -35,7 +35,7 @@ from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.config import Settings
 from server.engine.engine import Engine
 from server.graphs.base import Graph
-from tests.models import demo_dir
+from tests.support.models import demo_dir
 from tests.support.wait import wait_until
 
 T = TypeVar("T")
@@ -161,7 +161,7 @@ def live_server(config: Settings, engine: Engine | None = None, host: Host | Non
         server.stop()
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ over `<unusedN>` ids. The ids below are the ones the published Gemma-4 tokenizer
 tell (vLLM notes `<|"|>` is 52; Gemma-4's generation config stops on 1, 106 and 50); nothing in the server may
 depend on them: it looks tokens up by text.
 
-`gemma4_cfg_dir()` writes tokenizer.json, tokenizer_config.json, chat_template.jinja (tests/gemma4_chat_template.jinja,
+`gemma4_cfg_dir()` writes tokenizer.json, tokenizer_config.json, chat_template.jinja (tests/support/gemma4_chat_template.jinja,
 written from the format, see that file) and generation_config.json (eos, `<turn|>`, `<|tool_response>`), cached
 under the test cache directory. It loads through `HostTokenizer.from_dir()` like any checkpoint's cfg/.
 """
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tests.models import CACHE
+from tests.support.models import CACHE
 
 # Gemma-4's special tokens and the ids they take over (text of the Gemma-3 token they replace in the comment).
 GEMMA4_TOKENS: dict[str, int] = {
