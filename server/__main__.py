@@ -39,40 +39,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(demo, names=tuple(n for n in Settings.__slots__ if n not in ("artifacts", "graph")))
 
     check = sub.add_parser("check", help="exit 0 if the artifact directory is complete for the graph, else say why")
-    check.add_argument("--artifacts", required=True, type=Path, help="the artifact directory to check")
+    check.add_argument("--artifacts", required=True, type=Path, metavar="DIR", help="the artifact directory to check")
     check.add_argument("--graph", default="auto", choices=GRAPH_KINDS,
                        help="the graph kind it must serve; auto: the compiled graph if present, else hf (default: auto)")
 
     fetch = sub.add_parser("fetch", help="download the artifacts of a Hugging Face repo, then validate them")
-    fetch.add_argument("--repo", required=True, help=f"Hugging Face repo id (the published build: {DEFAULT_REPO})")
-    fetch.add_argument("--dest", required=True, type=Path,
+    fetch.add_argument("--repo", required=True, metavar="ID", help=f"Hugging Face repo id (the published build: {DEFAULT_REPO})")
+    fetch.add_argument("--dest", required=True, type=Path, metavar="DIR",
                        help="directory to download into (created; a directory of its own, not another model's)")
-    fetch.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    fetch.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit (default: main)")
     fetch.add_argument("--graph", default="auto", choices=GRAPH_KINDS,
                        help="the graph kind the download must serve, checked afterwards (default: auto)")
 
     export = sub.add_parser("export", help="a transformers checkpoint dir or .gguf file -> an artifact dir (hf graph)")
-    export.add_argument("--from", dest="source", required=True, type=Path,
+    export.add_argument("--from", dest="source", required=True, type=Path, metavar="CHECKPOINT_DIR_OR_GGUF",
                         help="a transformers checkpoint directory or a .gguf file")
-    export.add_argument("--dest", required=True, type=Path, help="the artifact directory to write")
-    export.add_argument("--prefill-bucket", type=int, default=128, help="prompt chunk length, tokens (default: 128)")
-    export.add_argument("--max-total", type=int, default=512, help="context: prompt + completion, tokens (default: 512)")
+    export.add_argument("--dest", required=True, type=Path, metavar="DIR", help="the artifact directory to write")
+    export.add_argument("--prefill-bucket", type=int, default=128, metavar="TOKENS",
+                        help="prompt chunk length, tokens (default: 128)")
+    export.add_argument("--max-total", type=int, default=512, metavar="TOKENS",
+                        help="context: prompt + completion, tokens (default: 512)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and embedding table dtype (default: float32)")
 
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
-    bench.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
-    add_options(bench, names=("cache_dir",))  # where the real-size table is cached
-    bench.add_argument("--tokens", type=int, default=200, help="generated tokens per measured stream (default: 200)")
+    bench.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
+                       help="also write the results here, as one JSON object")
+    add_options(bench, names=("cache_dir",), helps={
+        "cache_dir": "where the bench keeps its 1.5 GB table of the 26B's shapes and the tokenizer's start-up caches "
+                     "(built on the first run, reused after)"})
+    bench.add_argument("--tokens", type=int, default=200, metavar="N",
+                       help="generated tokens per measured stream (default: 200)")
     parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     load = parts.add_parser("load", help="anonymous memory while a graph loads (v2 separate weights vs inside)")
-    load.add_argument("--artifacts", type=Path, required=True, help="the artifact directory to load")
-    load.add_argument("--graph", default="jit", help="graph kind to load (default: jit)")
-    load.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
+    load.add_argument("--artifacts", type=Path, required=True, metavar="DIR", help="the artifact directory to load")
+    load.add_argument("--graph", default="jit", choices=GRAPH_KINDS, help="graph kind to load (default: jit)")
+    load.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
+                      help="also write the results here, as one JSON object")
     masks = parts.add_parser("constraints", help="the constraint mask's cost per token on a tokenizer directory")
     masks.add_argument("cfg", type=Path, metavar="CFG_DIR", help="a tokenizer directory, e.g. the demo's cfg/")
-    masks.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
+    masks.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
+                       help="also write the results here, as one JSON object")
     return parser
 
 

@@ -3,7 +3,7 @@
 Nothing else in the package reads the environment: `__main__` hands `os.environ` to `Settings.from_cli`
 and passes the result down explicitly (`HF_TOKEN`, for `fetch`, is read by huggingface_hub itself). Every
 setting is declared once, as a `Settings` field that carries its flag, env var, type, default and help;
-`OPTIONS` and argparse derive from those, and tests/test_config.py holds the README's table to them.
+`OPTIONS` and argparse derive from those, and tests/test_config.py holds docs/settings.md's table to them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class Option:
     env: str
     kind: Callable[[str], Any]
     help: str
-    shown: str  # the default, as --help and the README table say it
+    shown: str  # the default, as --help and the settings table (docs/settings.md) say it
+    choices: tuple[str, ...] | None = None  # listed by --help, checked by argparse
 
 
 def _bounded(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
@@ -77,23 +78,23 @@ DEFAULT_CACHE = "~/.cache/gemma4-optb"
 
 
 def _setting(flag: str, env: str, kind: Callable[[str], Any], default: Any, help: str, *,  # noqa: A002
-             shown: str | None = None, repr: bool = True) -> Any:  # noqa: A002
+             shown: str | None = None, repr: bool = True, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
     """A Settings field that is also a command-line option (the one declaration of that setting).
 
-    `shown`: the default as `--help` and the README say it, when the value is not self-explanatory (None)."""
+    `shown`: the default as `--help` and docs/settings.md say it, when the value is not self-explanatory (None)."""
     if shown is None:
         shown = "none" if default is None else f"{default:g}" if isinstance(default, float) else str(default)
-    return field(default=default, repr=repr, metadata={"option": (flag, env, kind, help, shown)})
+    return field(default=default, repr=repr, metadata={"option": (flag, env, kind, help, shown, choices)})
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Every setting, declared once; the order here is the order of `--help` and of the README table."""
+    """Every setting, declared once; the order here is the order of `--help` and of docs/settings.md's table."""
 
     artifacts: Path = _setting("--artifacts", "ARTIFACTS_DIR", Path, Path("/data"),
                                "artifact directory (cfg/, embed_tokens.pt, graph)")
     graph: str = _setting("--graph", "GRAPH", _graph_kind, "auto",
-                          "graph kind: auto (compiled graph if present, else hf), jit, hf, null")
+                          "graph kind: auto (compiled graph if present, else hf), jit, hf, null", choices=GRAPH_KINDS)
     host: str = _setting("--host", "HOST", str, "127.0.0.1", "bind address (the container sets 0.0.0.0)")
     port: int = _setting("--port", "PORT", _port, 8080, "TCP port (1..65535; bound before anything loads)")
     api_key: str | None = _setting("--api-key", "API_KEY", str, None, "require this key (Authorization: Bearer or "
@@ -185,8 +186,12 @@ class Settings:
 OPTIONS: tuple[Option, ...] = tuple(Option(f.name, *f.metadata["option"]) for f in fields(Settings))
 
 
-def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    """Register the settings as flags with no argparse default, so `from_cli` can tell 'unset' from 'set'."""
+def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None, *,
+                helps: Mapping[str, str] | None = None) -> None:
+    """Register the settings as flags with no argparse default, so `from_cli` can tell 'unset' from 'set'.
+
+    The metavar is the environment variable's name (or the choices), so `--help` names a value the way the table does;
+    `helps` rewords a setting where a command uses it for something narrower (bench's --cache-dir)."""
 
     def typed(option: Option) -> Callable[[str], Any]:
         def parse(text: str) -> Any:
@@ -202,6 +207,9 @@ def add_options(parser: argparse.ArgumentParser, names: tuple[str, ...] | None =
         if names is not None and option.name not in names:
             continue
         # A switch is a bare flag: present means on.
-        how = {"action": "store_const", "const": True} if option.kind is _switch else {"type": typed(option)}
+        how: dict[str, Any] = ({"action": "store_const", "const": True} if option.kind is _switch else
+                               {"type": typed(option), "choices": option.choices,
+                                "metavar": "{" + ",".join(option.choices) + "}" if option.choices else option.env})
+        text = (helps or {}).get(option.name, option.help)
         parser.add_argument(option.flag, dest=option.name, default=None,
-                            help=f"{option.help} (default: {option.shown}) [env {option.env}]", **how)
+                            help=f"{text} (default: {option.shown}) [env {option.env}]", **how)

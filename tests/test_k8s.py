@@ -134,4 +134,4 @@ def test_hpa_scales_on_a_metric_the_server_exports() -> None:
     with live_server(settings()) as live:
         exposition = httpx.get(f"{live.url}/metrics", timeout=10).text
     assert f"# TYPE {name} gauge" in exposition
-    assert name in (ROOT / "README.md").read_text()
+    assert name in (ROOT / "docs" / "kubernetes.md").read_text()
