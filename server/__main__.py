@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 2
     assert settings.cache_dir is not None  # from_cli fills in the default
     if args.command == "demo":
-        from server.tools.demo import DemoModelMissing, demo_source
+        from server.tools.demo import DemoModelMissing, require_demo_model
 
         name = args.demo_model or environ.get(DEMO_MODEL_ENV) or DEFAULT_DEMO_MODEL
         if name not in DEMO_MODELS:
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return 2
         model = DEMO_MODELS[name]
         try:  # at once, not after a minute of loading: a missing package is a one-line fix
-            demo_source(model.name, settings.cache_dir)
+            require_demo_model(model.name)
         except DemoModelMissing as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

