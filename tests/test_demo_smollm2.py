@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,6 +32,7 @@ from server.engine.types import GenerationRequest
 from server.protocol import PlainProtocol
 from server.sampling.params import SamplingParams
 from server.tools.demo import DEMO_MODELS, GEMMA3, SMOLLM2, SMOLLM2_PACKAGE, SMOLLM2_VERSION, demo_source
+from server.tools.export import logged_step
 from tests.support.api_fixtures import ROOT, free_port
 from tests.support.browser import launched_chromium
 from tests.support.models import demo_dir
@@ -231,6 +234,22 @@ def test_the_gemma_demo_is_flagged_as_a_base_model(page: Page) -> None:
         assert f"{GEMMA3} is a base model: it completes text rather than chats." in (about.text_content() or "")
     finally:
         gemma.stop()
+
+
+# ------------------------------------------------------------------ the first start says what it does
+
+
+def test_an_export_step_says_what_it_does_and_how_long_it_has_taken(caplog: pytest.LogCaptureFixture) -> None:
+    """A step logs as it starts, every so often while it lasts (a GGUF read is half a minute without a word from
+    transformers), and as it ends."""
+    caplog.set_level(logging.INFO, logger="server.tools.export")
+    with logged_step(2, 4, "reading the tokenizer", every_s=0.01):
+        wait_until(lambda: sum("still reading the tokenizer" in r.message for r in caplog.records) >= 2,
+                   "two heartbeats of the step")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0] == "export 2/4: reading the tokenizer ..."
+    assert re.fullmatch(r"export 2/4: still reading the tokenizer \(\d+ s\)", messages[1]), messages
+    assert re.fullmatch(r"export 2/4: reading the tokenizer: done in \d+\.\d s", messages[-1]), messages
 
 
 # ------------------------------------------------------------------ installation

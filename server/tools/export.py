@@ -86,7 +86,7 @@ def _one_gguf_parse() -> Iterator[None]:
 
 
 @contextmanager
-def _step(number: int, total: int, what: str) -> Iterator[None]:
+def logged_step(number: int, total: int, what: str, every_s: float = _HEARTBEAT_S) -> Iterator[None]:
     """Log a step of the export as it starts and ends, and every 10 s between: some steps take half a minute on two
     cores without a word from transformers, and a silent start looks like a hung one."""
     log.info("export %d/%d: %s ...", number, total, what)
@@ -94,7 +94,7 @@ def _step(number: int, total: int, what: str) -> Iterator[None]:
     done = threading.Event()
 
     def heartbeat() -> None:
-        while not done.wait(_HEARTBEAT_S):
+        while not done.wait(every_s):
             log.info("export %d/%d: still %s (%.0f s)", number, total, what, time.monotonic() - start)
 
     ticker = threading.Thread(target=heartbeat, name="export-progress", daemon=True)
@@ -121,7 +121,7 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
 
     if source.is_file() and source.suffix == ".gguf":
         with _one_gguf_parse():
-            with _step(1, 4, f"reading the weights of {source.name}"):
+            with logged_step(1, 4, f"reading the weights of {source.name}"):
                 loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch_dtype)
                 # A fresh model from the same config saves where the GGUF-loaded one refuses to. Without the GGUF's
                 # quantization entry: the checkpoint we save holds plain float weights, and says so.
@@ -131,12 +131,12 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
                 model.tie_weights()
                 model.generation_config = loaded.generation_config
                 del loaded
-            with _step(2, 4, "reading the tokenizer from the GGUF"):
+            with logged_step(2, 4, "reading the tokenizer from the GGUF"):
                 tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     elif source.is_dir():
-        with _step(1, 4, f"reading the checkpoint {source}"):
+        with logged_step(1, 4, f"reading the checkpoint {source}"):
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        with _step(2, 4, "reading the tokenizer"):
+        with logged_step(2, 4, "reading the tokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(source)
     else:
         raise FileNotFoundError(f"{source}: expected a transformers checkpoint directory or a .gguf file")
@@ -146,9 +146,9 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
     shutil.rmtree(staging, ignore_errors=True)
     cfg, hf = staging / CFG_DIR, staging / HF_DIR
     cfg.mkdir(parents=True)
-    with _step(3, 4, f"writing the checkpoint {HF_DIR}/"):
+    with logged_step(3, 4, f"writing the checkpoint {HF_DIR}/"):
         model.save_pretrained(hf)
-    with _step(4, 4, f"writing {CFG_DIR}/ (config, generation config, tokenizer, chat template) and the embedding table"):
+    with logged_step(4, 4, f"writing {CFG_DIR}/ (config, generation config, tokenizer, chat template) and the embedding table"):
         model.config.save_pretrained(cfg)
         template = getattr(tokenizer, "chat_template", None)
         if not isinstance(template, str) and "<start_of_turn>" in tokenizer.get_vocab():
