@@ -87,11 +87,12 @@ def _gemma3_gguf(cache_root: Path) -> Path:
 
 DEMO_MODELS: dict[str, DemoModel] = {
     SMOLLM2: DemoModel(SMOLLM2, True, "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): a small instruction-tuned "
-                       "chat model, run on CPU", "v1", _smollm2_gguf, _smollm2_file,
+                       "chat model, run on CPU.", "v1", _smollm2_gguf, _smollm2_file,
                        # HuggingFaceTB/SmolLM2-135M-Instruct's model card generates with these.
                        {"do_sample": True, "temperature": 0.2, "top_p": 0.9}),
     GEMMA3: DemoModel(GEMMA3, False, "Gemma-3 270M (Google), the Gemma-family demo (262k vocabulary): ask it in "
-                      "completion style, e.g. 'Question: ...\\nAnswer:' on /v1/completions", "v2", _gemma3_gguf,
+                      "completion style on /v1/completions, e.g. 'Question: ...\\nAnswer:'. For a chat model, start "
+                      f"`python -m server demo` without --model ({SMOLLM2}).", "v2", _gemma3_gguf,
                       _gemma3_package),
 }
 
