@@ -12,8 +12,10 @@ from typing import NoReturn
 
 from server.config import GRAPH_KINDS, Settings, add_options
 from server.model.artifacts import DEFAULT_REPO
+from server.tools.demo import DEFAULT_DEMO_MODEL, DEMO_MODELS
 
 DEMO_GRAPHS = ("hf", "null")
+DEMO_MODEL_ENV = "DEMO_MODEL"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,9 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve an artifact directory over the OpenAI-compatible HTTP API")
     add_options(serve)
 
-    demo = sub.add_parser("demo", help="serve the embedded Gemma-3 270M on CPU (exported once into a cache)")
+    demo = sub.add_parser("demo", help=f"serve an embedded small model on CPU (default {DEFAULT_DEMO_MODEL}, a chat "
+                          "model; exported once into a cache)")
+    demo.add_argument("--model", dest="demo_model", choices=tuple(DEMO_MODELS), default=None, metavar=DEMO_MODEL_ENV,
+                      help="which model: " + ", ".join(f"{m.name} ({'chat' if m.chat else 'base: completes text'})"
+                                                        for m in DEMO_MODELS.values())
+                           + f" (default: {DEFAULT_DEMO_MODEL}) [env {DEMO_MODEL_ENV}]")
     demo.add_argument("--graph", dest="demo_graph", choices=DEMO_GRAPHS, default="hf",
-                      help="hf: the real 270M model on CPU; null: instant stand-in logits (the API without a model, "
+                      help="hf: the real model on CPU; null: instant stand-in logits (the API without a model, "
                            "with --null-step-ms for a simulated device) (default: hf)")
     add_options(demo, names=tuple(n for n in Settings.__slots__ if n not in ("artifacts", "graph")))
 
@@ -135,6 +142,19 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"error: {exc}", file=sys.stderr)
         return 2
     assert settings.cache_dir is not None  # from_cli fills in the default
+    if args.command == "demo":
+        from server.tools.demo import DemoModelMissing, require_demo_model
+
+        name = args.demo_model or environ.get(DEMO_MODEL_ENV) or DEFAULT_DEMO_MODEL
+        if name not in DEMO_MODELS:
+            print(f"error: {DEMO_MODEL_ENV}: must be one of {', '.join(DEMO_MODELS)}, got {name!r}", file=sys.stderr)
+            return 2
+        model = DEMO_MODELS[name]
+        try:  # at once, not after a minute of loading: a missing package is a one-line fix
+            require_demo_model(model.name)
+        except DemoModelMissing as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "bench":
         from server.tools.bench.host import run_bench
 
@@ -148,16 +168,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except OSError as exc:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    if args.command == "demo":
-        from dataclasses import replace
+    if args.command != "demo":
+        return serve(settings, listener)
+    from dataclasses import replace
 
-        from server.tools.demo import demo_artifacts
+    from server.tools.demo import demo_artifacts
 
-        root = demo_artifacts(settings.cache_dir)
-        settings = replace(settings, artifacts=root, graph=args.demo_graph,
-                           served_model_name=settings.served_model_name or "gemma-3-270m")
-
-    return serve(settings, listener)
+    root = demo_artifacts(settings.cache_dir, model=model.name)
+    settings = replace(settings, artifacts=root, graph=args.demo_graph,
+                       served_model_name=settings.served_model_name or model.name)
+    return serve(settings, listener, chat=model.chat, description=model.description)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ def test_a_port_in_use_fails_before_anything_loads(occupied_port: int, tmp_path:
 
 def test_demo_graph_defaults_to_hf_and_offers_null() -> None:
     assert build_parser().parse_args(["demo"]).demo_graph == "hf"
+    assert build_parser().parse_args(["demo"]).demo_model is None  # then DEMO_MODEL, then the default chat model
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--graph", "jit"])
 
@@ -119,8 +120,9 @@ def test_demo_graph_defaults_to_hf_and_offers_null() -> None:
 def test_demo_graph_null_serves_the_demo_tokenizer_on_the_null_graph() -> None:
     demo_dir()  # exported once (the shared test cache), so the demo starts in seconds
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "server", "demo", "--graph", "null", "--port", str(port),
-                             "--cache-dir", str(CACHE)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    proc = subprocess.Popen([sys.executable, "-m", "server", "demo", "--model", "gemma-3-270m", "--graph", "null",
+                             "--port", str(port), "--cache-dir", str(CACHE)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -37,6 +37,10 @@ class ModelInfo:
     # The host's grammar vocabulary, the one its engine builds each run's matcher with (one source for both);
     # None: constrained output answers 500.
     grammar: GrammarSource | None = None
+    # False: a base model, which continues text rather than answering chat turns; /v1/models and the chat page say so,
+    # since its chat answers look broken to anyone who expects a chat model.
+    chat: bool = True
+    description: str | None = None  # one line about the model for /v1/models and the chat page; None: nothing to say
 
 
 class EngineAPI(Protocol):

@@ -37,6 +37,8 @@ class Host:
     protocol: ChatProtocol  # the model family's chat format, detected once from the tokenizer
     stop_token_ids: tuple[int, ...]  # eos, the generation config's stops and the protocol's (`stop_ids`)
     grammar: VocabLoader  # built at start-up, or on first use with --lazy-grammar
+    chat: bool = True  # False: a base model (it completes text); told to the API, which tells the user
+    description: str | None = None
 
     @property
     def max_total(self) -> int:
@@ -47,7 +49,8 @@ class Host:
         """What the HTTP layer is told about the model."""
         return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
                          generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer,
-                         stop_token_ids=self.stop_token_ids, protocol=self.protocol, grammar=self.grammar)
+                         stop_token_ids=self.stop_token_ids, protocol=self.protocol, grammar=self.grammar,
+                         chat=self.chat, description=self.description)
 
 
 def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:
@@ -60,8 +63,10 @@ def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: Chat
     return tuple(dict.fromkeys(ids))
 
 
-def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None, cache_dir: Path | None = None) -> Host:
-    """cache_dir: where start-up caches live (None: derive everything, write nothing)."""
+def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None, cache_dir: Path | None = None,
+              *, chat: bool = True, description: str | None = None) -> Host:
+    """cache_dir: where start-up caches live (None: derive everything, write nothing). `chat` and `description`: what
+    the caller knows about the model that its files do not say (a base model's GGUF looks like any other)."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)
     spec = art.graph_spec()
@@ -73,7 +78,8 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     protocol = protocol_of(tokenizer)
     stops = stop_ids(structure, tokenizer, protocol)
     grammar = VocabLoader(functools.partial(GrammarVocab.from_tokenizer, tokenizer, structure.vocab_size, stops))
-    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar)
+    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar,
+                chat, description)
 
 
 def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:

@@ -80,8 +80,10 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, listener: socket.socket | None = None) -> int:
-    """Serve until SIGTERM; `listener` is the socket from `listen()` (made here when not given)."""
+def serve(settings: Settings, listener: socket.socket | None = None, *, chat: bool = True,
+          description: str | None = None) -> int:
+    """Serve until SIGTERM; `listener` is the socket from `listen()` (made here when not given). `chat`, `description`:
+    as `load_host` takes them (the demo knows which of its models is a base model)."""
     listener = listener or listen(settings.host, settings.port)
     with collector_paused():  # the engine freezes start-up's objects out of the collector once the graph is in
         from server.api.app import create_app
@@ -89,7 +91,8 @@ def serve(settings: Settings, listener: socket.socket | None = None) -> int:
         from server.app.runtime import build_engine, load_host
 
         try:
-            host = load_host(settings.artifacts, settings.graph, settings.served_model_name, settings.cache_dir)
+            host = load_host(settings.artifacts, settings.graph, settings.served_model_name, settings.cache_dir,
+                             chat=chat, description=description)
         except ArtifactError as exc:
             print(f"error: {exc}", file=sys.stderr)
             listener.close()

@@ -180,7 +180,7 @@ def _call_with_object_arguments(call: Mapping[str, Any], where: str) -> dict[str
 
 
 class PlainProtocol(ChatProtocol):
-    """A model without a native tool or thought format (the Gemma-3 270M demo): text in, text out.
+    """A model without a native tool or thought format (both demo models: SmolLM2-135M-Instruct, Gemma-3 270M): text in, text out.
 
     Its detokenizer keeps today's skip_special_tokens=True; tools, tool messages and thinking are refused (400).
     """

@@ -1,16 +1,24 @@
 """`python -m server export`: a transformers checkpoint directory or a `.gguf` file -> an artifact dir for `--graph hf`.
 
 Writes cfg/ (config, generation config, tokenizer, chat template), embed_tokens.pt, hf/ and graph.json.
-Reading a GGUF through transformers takes ~40-55 s and `save_pretrained` refuses a GGUF-loaded model,
-so we build a fresh model from its config, give it the state dict, and save that: it reloads in ~0.1 s.
+Reading a GGUF through transformers takes ~15 s (SmolLM2 135M) to ~35 s (Gemma-3 270M, whose 262k-token vocabulary
+the GGUF reader parses slowly: once here, not three times, see `_one_gguf_parse`) and `save_pretrained` refuses a
+GGUF-loaded model, so we build a fresh model from its config, give it the state dict, and save that: it reloads in
+~0.1 s. Each step logs what it does and how far along it is (transformers draws bars for the weights only).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,19 +44,73 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
-def _add_turn_end_eos(generation: object, tokenizer: object) -> None:
-    """Chat turns end with <end_of_turn>: make it an eos id, as Gemma's instruction-tuned configs do."""
-    turn_end = tokenizer.get_vocab().get("<end_of_turn>")  # type: ignore[attr-defined]
-    if turn_end is None:
-        return
+# The tokens that end a model's chat turn, by family: Gemma's, ChatML's (SmolLM2, Qwen), Llama-3's.
+_TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
+_HEARTBEAT_S = 10.0
+
+
+def _add_turn_end_eos(generation: object, tokenizer: object, template: str | None) -> None:
+    """A chat turn ends with the template's turn-end token: make it an eos id, as instruction-tuned configs do (a
+    GGUF's generation config often lists only the tokenizer's eos, and then `<end_of_turn>` would not stop)."""
+    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
     eos = getattr(generation, "eos_token_id", None)
     ids = list(eos) if isinstance(eos, list | tuple) else ([] if eos is None else [eos])
-    if turn_end not in ids:
-        generation.eos_token_id = [*ids, turn_end]  # type: ignore[attr-defined]
+    added = [token for text in _TURN_ENDS if (token := vocab.get(text)) is not None and token not in ids
+             and (template is None or text in template)]
+    if added:
+        generation.eos_token_id = [*ids, *added]  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """One parse of the GGUF for the whole export: transformers reads the file anew for the config, the weights and the
+    tokenizer, and parsing the metadata of Gemma's 262k-token vocabulary costs ~13 s each time on two cores (two
+    thirds of the demo's first start). The reader is a read-only memory map, so sharing it changes nothing read."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = shared  # type: ignore[misc, assignment]  # transformers imports it from gguf at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
+        readers.clear()
+
+
+@contextmanager
+def logged_step(number: int, total: int, what: str, every_s: float = _HEARTBEAT_S) -> Iterator[None]:
+    """Log a step of the export as it starts and ends, and every 10 s between: some steps take half a minute on two
+    cores without a word from transformers, and a silent start looks like a hung one."""
+    log.info("export %d/%d: %s ...", number, total, what)
+    start = time.monotonic()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(every_s):
+            log.info("export %d/%d: still %s (%.0f s)", number, total, what, time.monotonic() - start)
+
+    ticker = threading.Thread(target=heartbeat, name="export-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    log.info("export %d/%d: %s: done in %.1f s", number, total, what, time.monotonic() - start)
 
 
 def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, max_total: int = 512,
-           dtype: str = "float32") -> Path:
+           dtype: str = "float32", sampling: Mapping[str, Any] | None = None) -> Path:
+    """`sampling`: generation-config fields to write (e.g. a model card's recommended temperature), which the server
+    takes as defaults for requests that leave them unset; a GGUF carries none."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     source, dest = Path(source), Path(dest)
@@ -58,19 +120,24 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
     GraphSpec.from_json(spec.to_json())
 
     if source.is_file() and source.suffix == ".gguf":
-        log.info("reading GGUF %s (slow, once)", source)
-        loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        # A fresh model from the same config saves where the GGUF-loaded one refuses to.
-        config = AutoConfig.for_model(**loaded.config.to_dict())
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        model.load_state_dict(loaded.state_dict(), strict=False)
-        model.tie_weights()
-        model.generation_config = loaded.generation_config
-        del loaded
+        with _one_gguf_parse():
+            with logged_step(1, 4, f"reading the weights of {source.name}"):
+                loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch_dtype)
+                # A fresh model from the same config saves where the GGUF-loaded one refuses to. Without the GGUF's
+                # quantization entry: the checkpoint we save holds plain float weights, and says so.
+                values = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values), dtype=torch_dtype)
+                model.load_state_dict(loaded.state_dict(), strict=False)
+                model.tie_weights()
+                model.generation_config = loaded.generation_config
+                del loaded
+            with logged_step(2, 4, "reading the tokenizer from the GGUF"):
+                tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     elif source.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        with logged_step(1, 4, f"reading the checkpoint {source}"):
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        with logged_step(2, 4, "reading the tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source)
     else:
         raise FileNotFoundError(f"{source}: expected a transformers checkpoint directory or a .gguf file")
     model.eval()
@@ -79,20 +146,24 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
     shutil.rmtree(staging, ignore_errors=True)
     cfg, hf = staging / CFG_DIR, staging / HF_DIR
     cfg.mkdir(parents=True)
-    model.save_pretrained(hf)
-    model.config.save_pretrained(cfg)
-    generation = model.generation_config if model.generation_config is not None else GenerationConfig()
-    _add_turn_end_eos(generation, tokenizer)
-    generation.save_pretrained(cfg)
-    tokenizer.save_pretrained(cfg)
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) and "<start_of_turn>" in tokenizer.get_vocab():
-        template = GEMMA_CHAT_TEMPLATE  # GGUF exports of Gemma often carry no template; the turn tokens are there
-    if isinstance(template, str) and not (cfg / "chat_template.jinja").is_file():
-        (cfg / "chat_template.jinja").write_text(template, encoding="utf-8")
-    table = model.get_input_embeddings().weight.detach().to(torch_dtype).contiguous()  # [V, H]
-    torch.save(table.clone(), staging / "embed_tokens.pt")
-    (staging / GRAPH_JSON).write_text(json.dumps(spec.to_json(), indent=2) + "\n", encoding="utf-8")
+    with logged_step(3, 4, f"writing the checkpoint {HF_DIR}/"):
+        model.save_pretrained(hf)
+    with logged_step(4, 4, f"writing {CFG_DIR}/ (config, generation config, tokenizer, chat template) and the embedding table"):
+        model.config.save_pretrained(cfg)
+        template = getattr(tokenizer, "chat_template", None)
+        if not isinstance(template, str) and "<start_of_turn>" in tokenizer.get_vocab():
+            template = GEMMA_CHAT_TEMPLATE  # GGUF exports of Gemma often carry no template; the turn tokens are there
+        generation = model.generation_config if model.generation_config is not None else GenerationConfig()
+        _add_turn_end_eos(generation, tokenizer, template if isinstance(template, str) else None)
+        for key, value in (sampling or {}).items():
+            setattr(generation, key, value)
+        generation.save_pretrained(cfg)
+        tokenizer.save_pretrained(cfg)
+        if isinstance(template, str) and not (cfg / "chat_template.jinja").is_file():
+            (cfg / "chat_template.jinja").write_text(template, encoding="utf-8")
+        table = model.get_input_embeddings().weight.detach().to(torch_dtype).contiguous()  # [V, H]
+        torch.save(table.clone(), staging / "embed_tokens.pt")
+        (staging / GRAPH_JSON).write_text(json.dumps(spec.to_json(), indent=2) + "\n", encoding="utf-8")
 
     if dest.exists():
         shutil.rmtree(dest)

@@ -248,9 +248,12 @@ class OpenAIRoutes:
         return JSONResponse({"prompt": await self.prompts.decode(body.tokens)})
 
     def _model_card(self) -> dict[str, Any]:
-        name = self.prompts.model.name
-        return {"id": name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
-                "root": name, "parent": None, "max_model_len": self.prompts.model.max_total}
+        model = self.prompts.model
+        card = {"id": model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
+                "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat}
+        if model.description is not None:
+            card["description"] = model.description
+        return card
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

@@ -51,12 +51,14 @@ CONFIG_26B: dict[str, Any] = {
 
 def bench_artifacts(cache_root: Path) -> Path:
     """cfg/ (26B config + the real tokenizer), a real-size random bf16 table, graph.json. Built once."""
-    from server.tools.demo import demo_artifacts
+    from server.tools.demo import GEMMA3, demo_artifacts
 
     root = cache_root / "bench-26b-shapes"
     if (root / "graph.json").is_file():
         return root
-    tokenizer_cfg = demo_artifacts(cache_root) / "cfg"
+    # The Gemma-family demo, whatever `demo` serves by default: the bench measures the 26B's 262k-vocabulary sampler,
+    # detokenizer and grammar, which SmolLM2's 49k vocabulary would understate.
+    tokenizer_cfg = demo_artifacts(cache_root, model=GEMMA3) / "cfg"
     staging = root.with_name(root.name + ".partial")
     (staging / "cfg").mkdir(parents=True, exist_ok=True)
     for item in tokenizer_cfg.iterdir():
