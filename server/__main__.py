@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help=f"serve an embedded small model on CPU (default {DEFAULT_DEMO_MODEL}, a chat "
                           "model; exported once into a cache)")
-    demo.add_argument("--model", dest="demo_model", choices=tuple(DEMO_MODELS), default=None, metavar=DEMO_MODEL_ENV,
+    demo.add_argument("--model", dest="demo_model", choices=tuple(DEMO_MODELS), default=None,
                       help="which model: " + ", ".join(f"{m.name} ({'chat' if m.chat else 'base: completes text'})"
                                                         for m in DEMO_MODELS.values())
                            + f" (default: {DEFAULT_DEMO_MODEL}) [env {DEMO_MODEL_ENV}]")

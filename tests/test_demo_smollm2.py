@@ -189,6 +189,33 @@ def test_the_default_demo_answers_through_the_responses_api(client: OpenAI) -> N
     assert r.status == "completed" and "Paris" in r.output_text, r.output_text
 
 
+# The README's quick-start examples, run as written against the default demo: each must answer sensibly, not merely
+# run (the null-graph versions of these tests prove they run against any served name: test_new_user, test_responses).
+README_EXAMPLES = {  # a phrase that picks the block -> what a sensible answer contains
+    '"What is the capital of France?"}], "max_tokens"': "paris",  # the curl chat
+    "why the sky is blue": "scatter",  # the streaming SDK example
+    "response_format=Country": "paris",  # structured output
+    "previous_response_id=r.id": "french",  # the Responses API, a conversation carried by id
+}
+
+
+def readme_block(phrase: str) -> tuple[str, str]:
+    """(language, code) of the README's one code block containing `phrase`."""
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.DOTALL)
+    (block,) = [(lang, code) for lang, code in blocks if phrase in code]
+    return block
+
+
+@pytest.mark.parametrize("phrase", README_EXAMPLES, ids=["curl-chat", "sdk-stream", "structured", "responses"])
+def test_the_readmes_examples_answer_sensibly_on_the_default_demo(demo: DemoProcess, phrase: str) -> None:
+    lang, code = readme_block(phrase)
+    code = code.replace("http://127.0.0.1:8080", demo.url)
+    command = ["bash", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert README_EXAMPLES[phrase] in done.stdout.lower(), done.stdout
+
+
 def test_models_says_which_model_runs_and_that_it_chats(demo: DemoProcess) -> None:
     [card] = httpx.get(f"{demo.url}/v1/models", timeout=10).json()["data"]
     assert card["id"] == SMOLLM2 and card["chat"] is True
