@@ -1198,7 +1198,9 @@ def check_lowering(cfg, plan: Plan) -> dict:
             and calls[1]["compilations"] == 0
             and all(c["finite_logits"] for c in calls)
         )
-        graphs.append({"graph": key, "T": t, "B": batch, "calls": calls, "pass": ok})
+        experts = decode_experts(plan, cfg)[batch] if plan.contract == "v3" and t == 1 else None
+        graphs.append({"graph": key, "T": t, "B": batch, **({"experts": experts} if experts else {}),
+                       "calls": calls, "pass": ok})
     return {
         "contract": plan.contract,
         **({"kv_slots": plan.kv_slots, "decode_batches": list(plan.decode_batches)} if plan.contract == "v3" else {}),
@@ -1227,8 +1229,9 @@ def print_lowering(report: Mapping, as_json: bool) -> None:
         first, second = g["calls"]
         fallbacks = {k: v for c in g["calls"] for k, v in c["aten_fallbacks"].items()} or "none"
         verdict = "ok" if g["pass"] else "FAIL"
+        experts = f"  experts {g['experts']}" if "experts" in g else ""
         print(f"  {g['graph']:<14} {g['B']:>3} {g['T']:>5} {first['compilations']:>8}/{second['compilations']:<8}  "
-              f"{fallbacks}  {verdict}")
+              f"{fallbacks}  {verdict}{experts}")
     print("PASS" if report["pass"] else "FAIL")
     if as_json:
         print(json.dumps(report))
