@@ -32,6 +32,18 @@ per call. ``--weights separate`` traces the graph without weights and writes eac
 ``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxD's own names; the server memory-maps them). graph.json
 records every shape the host needs (buckets, kv_slots, sliding_window, inputs/outputs, weights).
 
+Contract v3 ("gemma4-optb/v3", ``--contract v3 --kv-slots S --decode-batches 1,2,4``), several conversations:
+
+    model(inputs_embeds f32 [B,T,H], position_ids int64 [B,T], slot_ids int64 [B]) -> (logits f32 [B,T,V], *kv)
+
+The graph keeps S independent KV caches (per layer [S, kv_heads, R, D], each slot one v2 ring). B == 1 and T a
+prefill bucket: a prefill into slot ``slot_ids[0]``; T == 1 and B one of ``--decode-batches``: a decode step, row b
+reading and writing only slot ``slot_ids[b]`` at its own position, with its own ring mask (``SlotRingCache``,
+``ring_mask``). Decode graphs gather the routed experts while B tokens read less than all of them
+(``decode_experts``), dense above. graph.json adds ``kv_slots`` (S), ``decode_batches``, ``ring_slots`` (v2's
+``kv_slots`` map, renamed: ``kv_slots`` is S here) and every cache shape. A batch the host rounds up to a compiled
+size fills its spare rows without touching another slot (graphs/jit.py ``JitGraphV3``).
+
 Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
 layer scalars). Only what does not trace or shard is swapped:
   * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
@@ -55,6 +67,9 @@ Usage:
         (torch-xla on CPU; lowering is necessary for neuronx-cc, not sufficient)
     python tp_mb_moe_sqz.py --roofline --config CONFIG_JSON [--tp 2] [--attn-quant int8|none] [--json]  # a projection
     python tp_mb_moe_sqz.py --bench-experts [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    python tp_mb_moe_sqz.py --bench-batched [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    python tp_mb_moe_sqz.py --slot-table --contract v3 --config CONFIG_JSON [--max-total ...] [--json]  # projection
+    v3 flags: --contract v3 --kv-slots S --decode-batches 1,2,4 (reports take them too)
     Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
                  --attn-quant none|int8 (attention projections per-channel int8 as well).
 """
