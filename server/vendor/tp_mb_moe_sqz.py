@@ -179,6 +179,8 @@ def check_slots(plan: Plan) -> None:
     if plan.contract != "v3":
         if plan.kv_slots != 1 or batches != (1,):
             raise ValueError("--kv-slots and --decode-batches need --contract v3")
+        if plan.kv_int8:
+            raise ValueError("--kv-quant int8 needs --contract v3")
         return
     problems = []
     if plan.kv_slots < 1:
@@ -627,22 +629,35 @@ class SlotRingCache:
             self.rows[(ring, heads)] = (base[:, :, None] + index[:, None, :]).reshape(-1)  # [B * kvh * T]
         return self.rows[(ring, heads)]
 
+    def _write(self, layer_idx: int, name: str, new: torch.Tensor) -> torch.Tensor:
+        """Write [B * kvh * T, width] rows (in (b, h, t) order) into state `name`; return the rows' slots of it."""
+        state = getattr(self.model.layers[layer_idx].self_attn, name)  # [S, kvh_local, R, width]
+        slots, heads, ring, width = state.shape
+        rows = self._rows(ring, heads)  # [B * kvh * T]
+        new = new.to(state.dtype)
+        if self.model.plan.inplace_kv:
+            state.view(-1, width).index_copy_(0, rows, new)  # CPU: the buffer is the cache
+            updated = state
+        else:
+            updated = state.reshape(-1, width).index_copy(0, rows, new).view(slots, heads, ring, width)
+        self.new_states[f"layers.{layer_idx}.self_attn.{name}"] = updated
+        return updated.index_select(0, self.slot_ids)  # [B, kvh_local, R, width]: only the rows' slots
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_: object):
         # key/value_states [B, kvh_local, T, D] -> each row's own slot [B, kvh_local, R, D]
-        attn = self.model.layers[layer_idx].self_attn
         out = []
-        for name, new in (("k_cache", key_states), ("v_cache", value_states)):
-            state = getattr(attn, name)  # [S, kvh_local, R, D]
-            slots, heads, ring, dim = state.shape
-            rows = self._rows(ring, heads)  # [B * kvh * T]
-            new = new.to(state.dtype).reshape(-1, dim)  # [B * kvh * T, D], rows in (b, h, t) order like `rows`
-            if self.model.plan.inplace_kv:
-                state.view(-1, dim).index_copy_(0, rows, new)  # CPU: the buffer is the cache
-                updated = state
-            else:
-                updated = state.reshape(-1, dim).index_copy(0, rows, new).view(slots, heads, ring, dim)
-            self.new_states[f"layers.{layer_idx}.self_attn.{name}"] = updated
-            out.append(updated.index_select(0, self.slot_ids))  # [B, kvh_local, R, D]: only the rows' slots
+        for kind, new in (("k", key_states), ("v", value_states)):
+            flat = new.reshape(-1, new.shape[-1])  # [B * kvh * T, D]
+            if not self.model.plan.kv_int8:
+                out.append(self._write(layer_idx, f"{kind}_cache", flat).to(new.dtype))  # a no-op unless stored narrower
+                continue
+            # Symmetric int8 per written vector (one scale per slot, head and position): |x - q * s| <= s / 2.
+            amax = flat.detach().float().abs().amax(dim=-1, keepdim=True)  # [B * kvh * T, 1]
+            scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [B * kvh * T, 1]
+            q = torch.round(flat.float() / scale).clamp(-127, 127)  # [B * kvh * T, D]
+            stored_q = self._write(layer_idx, f"{kind}_cache", q)  # [B, kvh, R, D] int8
+            stored_s = self._write(layer_idx, f"{kind}_scale", scale)  # [B, kvh, R, 1] f32
+            out.append((stored_q.float() * stored_s).to(new.dtype))  # [B, kvh, R, D] in the compute dtype
         return out[0], out[1]
 
 
@@ -680,6 +695,13 @@ class Plan:
     buckets: tuple[int, ...] = (128,)  # prefill chunk lengths (v2 sizes its rings by the largest)
     kv_slots: int = 1  # v3: independent KV caches (conversations), each one v2 ring per layer
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes (rows per step)
+    kv_quant: str = "none"  # v3 "int8": K and V int8 per (slot, head, position) with an f32 scale, opt-in
+
+    @property
+    def kv_int8(self) -> bool:
+        if self.kv_quant not in QUANT_MODES:
+            raise ValueError(f"kv_quant must be one of {QUANT_MODES}, got {self.kv_quant!r}")
+        return self.kv_quant == "int8"
 
     @property
     def ringed(self) -> bool:
@@ -772,8 +794,12 @@ class RecipeModel(nn.Module):
             n_slots = plan.ring_slots(self.window_of(idx)) if plan.ringed else plan.max_total
             self.ring_sizes.append(n_slots)
             caches = plan.kv_slots if plan.contract == "v3" else 1
-            for name in ("k_cache", "v_cache"):
-                slots = torch.zeros(caches, local_kv, n_slots, attn.head_dim, dtype=dtype)  # [S, kvh_l, slots, D]
+            # --kv-quant int8 (v3): K and V as int8 with one f32 scale per (slot, head, ring position)
+            states = [(name, attn.head_dim, torch.int8 if plan.kv_int8 else dtype) for name in ("k_cache", "v_cache")]
+            if plan.kv_int8:
+                states += [("k_scale", 1, torch.float32), ("v_scale", 1, torch.float32)]
+            for name, width, state_dtype in states:
+                slots = torch.zeros(caches, local_kv, n_slots, width, dtype=state_dtype)  # [S, kvh_l, slots, D or 1]
                 if plan.kv_as_params:
                     setattr(attn, name, nn.Parameter(slots, requires_grad=False))
                 else:
@@ -813,9 +839,12 @@ class RecipeModel(nn.Module):
 
     def _cast_floats(self, dtype: torch.dtype) -> None:
         """HF submodules are created in f32; move their weights to the compute dtype (not our f32 scales)."""
-        for module in self.modules():
+        states = set(self.state_names)  # KV states are made in their own dtype (int8 KV's scales stay f32)
+        for prefix, module in self.named_modules():
             keep = getattr(module, "keep_f32", ())
             for name, p in module._parameters.items():
+                if f"{prefix}.{name}" in states:
+                    continue
                 if p is not None and p.is_floating_point() and name not in keep and p.dtype != dtype:
                     p.data = p.data.to(dtype)  # keeps the Parameter object and its TP attributes
 
@@ -1120,13 +1149,14 @@ def residency(
     attn_quant: str = "none",
     kv_slots: int = 1,
     decode_batches: tuple[int, ...] = (1,),
+    kv_quant: str = "none",
 ) -> dict[str, int]:
     """Device bytes held by one rank, per component (every rank holds the same amount)."""
     from accelerate import init_empty_weights
 
     plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False,
                 contract=contract, buckets=tuple(buckets), attn_quant=attn_quant, kv_slots=kv_slots,
-                decode_batches=tuple(decode_batches))
+                decode_batches=tuple(decode_batches), kv_quant=kv_quant)
     with init_empty_weights(include_buffers=True):
         model = RecipeModel(text_config, plan)
     states = set(model.state_names)
@@ -1148,6 +1178,7 @@ def residency(
         # V; the compiler may stream it instead) and returns f32 logits [B, V].
         rows = max(plan.decode_batches)
         per_slot_layer = max(t.numel() * t.element_size() for t in model.state_tensors()) // plan.kv_slots
+        per_slot_layer = per_slot_layer * (torch.finfo(dtype).bits // 8 if plan.kv_int8 else 1)  # read back widened
         sizes["decode_scratch_estimate"] = rows * (2 * per_slot_layer + 4 * text_config.vocab_size)
     return sizes
 
@@ -1165,17 +1196,18 @@ def fits_core(sizes: Mapping[str, int]) -> bool:
 
 
 def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decode_batches: tuple[int, ...] = (1, 2, 4),
-               slots: Iterable[int] = SLOT_TABLE_SLOTS, max_totals: Iterable[int] = SLOT_TABLE_MAX_TOTAL) -> dict:
+               slots: Iterable[int] = SLOT_TABLE_SLOTS, max_totals: Iterable[int] = SLOT_TABLE_MAX_TOTAL,
+               kv_quant: str = "none") -> dict:
     """Per attention mode and MAX: per-rank bytes (resident + scratch) of each slot count, and the most slots that fit."""
     table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
-                   "tp": tp, "quant": quant, "prefill_buckets": list(buckets), "rows": []}
+                   "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets), "rows": []}
     for attn_quant in QUANT_MODES:
         for max_total in max_totals:
             row = {"attn_quant": attn_quant, "max_total": max_total, "bytes": {}, "max_slots": 0}
             for s in slots:
                 batches = tuple(b for b in decode_batches if b <= s)
                 sizes = residency(text_config, tp, quant, max_total, contract="v3", buckets=buckets,
-                                  attn_quant=attn_quant, kv_slots=s, decode_batches=batches)
+                                  attn_quant=attn_quant, kv_slots=s, decode_batches=batches, kv_quant=kv_quant)
                 row["bytes"][str(s)] = sizes["total"] + max(sizes["prefill_scratch_estimate"],
                                                             sizes["decode_scratch_estimate"])
                 if fits_core(sizes):
@@ -1187,6 +1219,7 @@ def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
 def print_slot_table(table: Mapping, as_json: bool) -> None:
     slots = list(table["rows"][0]["bytes"])
     print(f"PROJECTION: per-rank GB (resident + scratch) by KV slots, tp={table['tp']}, quant={table['quant']}, "
+          f"kv-quant={table['kv_quant']}, "
           f"buckets {table['prefill_buckets']}; fits = within {table['budget_bytes'] / 1e9:.0f} GB of the core's 16")
     print(f"  {'attention':<9} {'MAX':>6} " + " ".join(f"{s + ' slots':>9}" for s in slots) + "  most that fit")
     for row in table["rows"]:
@@ -1282,7 +1315,8 @@ def check_lowering(cfg, plan: Plan) -> dict:
                        "calls": calls, "pass": ok})
     return {
         "contract": plan.contract,
-        **({"kv_slots": plan.kv_slots, "decode_batches": list(plan.decode_batches)} if plan.contract == "v3" else {}),
+        **({"kv_slots": plan.kv_slots, "decode_batches": list(plan.decode_batches), "kv_quant": plan.kv_quant}
+           if plan.contract == "v3" else {}),
         "max_total": plan.max_total,
         "prefill_buckets": list(plan.buckets),
         "tp": plan.tp,
@@ -1302,7 +1336,7 @@ def print_lowering(report: Mapping, as_json: bool) -> None:
           f" experts={report['experts']}, attn-quant={report['attn_quant']}): "
           f"{LOWERING_NOTE}")
     if "kv_slots" in report:
-        print(f"  {report['kv_slots']} KV slots, decode batches {report['decode_batches']}")
+        print(f"  {report['kv_slots']} KV slots, decode batches {report['decode_batches']}, kv-quant {report['kv_quant']}")
     print(f"  {'graph':<14} {'B':>3} {'T':>5} {'compiles 1st/2nd':>17}  aten:: fallbacks")
     for g in report["graphs"]:
         first, second = g["calls"]
@@ -1424,18 +1458,20 @@ def tp_split_comparison(cfg, tp: int, quant: str, dtype: torch.dtype = torch.bfl
 
 
 def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, bucket: int, contract: str = "v1",
-             buckets: tuple[int, ...] | None = None, kv_slots: int = 1, decode_batches: tuple[int, ...] = (1,)) -> dict:
+             buckets: tuple[int, ...] | None = None, kv_slots: int = 1, decode_batches: tuple[int, ...] = (1,),
+             kv_quant: str = "none") -> dict:
     """Per-rank bytes per decoded token by component, dense and selective, and the decode rates they project to;
     for v3 also per decode batch size: the bytes of one step over B rows and its per-stream and aggregate rate."""
     buckets = buckets or (bucket,)
 
     def model_for(**overrides) -> RecipeModel:
         fields = dict(tp=tp, quant=quant, attn_quant=attn_quant, experts="dense", max_total=max_total,
-                      contract=contract, buckets=buckets, kv_slots=kv_slots, decode_batches=decode_batches) | overrides
+                      contract=contract, buckets=buckets, kv_slots=kv_slots, decode_batches=decode_batches,
+                      kv_quant=kv_quant) | overrides
         return build_model(text_config, Plan(dtype=torch.bfloat16, kv_as_params=True, inplace_kv=False, **fields),
                            device="meta")
 
-    published = model_for(**PUBLISHED_PLAN, kv_slots=1, decode_batches=(1,))
+    published = model_for(**PUBLISHED_PLAN, kv_slots=1, decode_batches=(1,), kv_quant="none")
     published_bytes = bytes_read_per_token(published)["total"] * PUBLISHED_PLAN["tp"]
     efficiency = PUBLISHED_TOK_S * published_bytes / CHIP_HBM_BYTES_PER_S
 
@@ -1839,7 +1875,10 @@ def v3_record(cfg, plan: Plan, *, max_total: int, tp: int, graph_file: str, quan
         "softcap_in_graph": False,
         "sliding_window": window,
         "ring_slots": {"sliding_attention": plan.ring_slots(window), "full_attention": plan.ring_slots(None)},
-        "kv_cache": {"layout": "[slot, kv_heads_per_rank, ring, head_dim], K and V per layer", **caches},
+        "kv_quant": plan.kv_quant,
+        "kv_cache": {"layout": "[slot, kv_heads_per_rank, ring, head_dim], K and V per layer"
+                     + (" (int8, with f32 scales [slot, kv_heads_per_rank, ring, 1])" if plan.kv_int8 else ""),
+                     **caches},
         "pad_rows": "spare rows of a decode batch (B rounded up to a compiled size) write zeros into a real row's "
                     "own slot, ahead of its position, where its next call writes before any query reads",
         "graph_file": graph_file,
@@ -1988,7 +2027,7 @@ def write_rank_weights(out: Path, model: RecipeModel, full: Mapping[str, torch.T
 def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
     values: dict = dict(tp=args.tp, quant=args.quant, max_total=args.max_total, contract=args.contract,
                         buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant,
-                        kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches))
+                        kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant)
     values.update(overrides)
     return Plan(**values)
 
@@ -2229,6 +2268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contract", choices=("v1", "v2", "v3"), default="v1", help="graph contract (see the module doc)")
     p.add_argument("--kv-slots", type=int, default=None,
                    help="v3: independent KV caches (conversations) the graph keeps (default 4; v1/v2: 1)")
+    p.add_argument("--kv-quant", choices=QUANT_MODES, default="none",
+                   help="v3: int8 K/V with one f32 scale per (slot, head, position): about half the KV bytes")
     p.add_argument("--decode-batches", type=bucket_list, default=None,
                    help="v3: compiled decode batch sizes, e.g. 1,2,4 (default: 1,2,4 capped at --kv-slots)")
     p.add_argument("--max-total", type=int, default=512, help="KV slots (MAX): prompt + completion")
@@ -2311,13 +2352,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         sizes = residency(cfg, args.tp, args.quant, args.max_total, contract=args.contract,
                           buckets=tuple(args.prefill_buckets), attn_quant=args.attn_quant, kv_slots=args.kv_slots,
-                          decode_batches=tuple(args.decode_batches))
-        extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots" if args.contract == "v3" else "")
+                          decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant)
+        extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots, kv-quant={args.kv_quant}"
+                                                     if args.contract == "v3" else "")
         print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract, extra)
         return 0
     if args.slot_table:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
-        print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets)), args.json)
+        print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant),
+                         args.json)
         return 0
     if args.check_lowering:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
@@ -2327,7 +2370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.roofline:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket,
-                          args.contract, tuple(args.prefill_buckets), args.kv_slots, tuple(args.decode_batches))
+                          args.contract, tuple(args.prefill_buckets), args.kv_slots, tuple(args.decode_batches),
+                          args.kv_quant)
         print_roofline(report, args.json)
         return 0
     if args.bench_batched:
