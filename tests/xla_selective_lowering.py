@@ -26,6 +26,7 @@ import torch_xla  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # recipe_helpers imports tests.support.models: the repository root must be importable
 MAX, BUCKET = 64, 16
 DECODE_POSITIONS, PREFILL_STARTS = (16, 17, 40), (0, 32)
 
