@@ -226,3 +226,22 @@ def _hf_to_recipe(hf_model, model) -> dict[str, torch.Tensor]:
         checkpoint = H.save_tiny_checkpoint(Path(tmp), hf_model)
         full = recipe.convert_checkpoint(recipe.CheckpointReader(checkpoint), model)
         return {k: v.clone() for k, v in full.items()}
+
+
+def test_v3_graph_keys_are_one_graph_per_bucket_and_decode_batch():
+    """What build_neuron hands ModelBuilder (and check_lowering lowers): one key per prefill bucket and per decode
+    batch, each with example inputs of its own shape (distinct shapes: ModelBuilder routes by them)."""
+    from tests.test_recipe import H
+
+    cfg = H.tiny_config()
+    plan = recipe.Plan(max_total=64, contract="v3", buckets=(8, 16), kv_slots=4, decode_batches=(1, 2, 4))
+    keys = recipe.graph_keys(plan)
+    assert [k[0] for k in keys] == ["prefill_8", "prefill_16", "decode_1", "decode_2", "decode_4"]
+    shapes = set()
+    for _key, t, start, batch in keys:
+        embeds, positions, slot_ids = recipe.example_inputs(cfg, t, start, plan.max_total, "v3", batch)
+        assert embeds.shape == (batch, t, cfg.hidden_size) and positions.shape == (batch, t)
+        assert slot_ids.tolist() == list(range(batch)) and positions.dtype == slot_ids.dtype == torch.int64
+        assert len(set(positions[:, 0].tolist())) == batch  # every row at its own position
+        shapes.add((tuple(embeds.shape), tuple(positions.shape), tuple(slot_ids.shape)))
+    assert len(shapes) == len(keys)
