@@ -88,10 +88,12 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
 
     def load() -> Graph:
         if kind == "jit":
-            from server.graphs.jit import JitGraph, JitGraphV2
+            from server.graphs.jit import JitGraph, JitGraphV2, JitGraphV3
 
             path = host.artifacts.graph_file
             assert path is not None
+            if spec.v3:  # the engine of today drives its slot 0 (JitGraphV3.forward); a scheduler drives them all
+                return JitGraphV3(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             if spec.v2:
                 return JitGraphV2(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             return JitGraph(path, spec, vocab_size=structure.vocab_size, sliding_window=structure.sliding_window,

@@ -9,6 +9,17 @@ The KV cache lives with the graph; slot = absolute position. The engine decides 
 and calls `rewind(n)` first to say "slots >= n are stale"; the graph answers from which position it can
 really continue (a transformers sliding-window ring buffer cannot go back once it has wrapped).
 
+Protocol v3 (`SlotGraph`, the interface a batching scheduler drives): `slots` independent KV caches, decode over
+several rows at once, each row in its own slot at its own position:
+
+    prefill(embeds [1, T, H], positions [1, T], slot, *, last_only) -> logits [1, T, V] ([1, 1, V] with last_only)
+    decode(embeds [B, 1, H], positions [B, 1], slots [B])           -> logits [B, V]
+    rewind_slot(slot, position) -> int                                (rewind, per slot)
+
+The compiled v3 graph (graphs/jit.py) answers it natively; every one-slot graph answers it through `OneSlot`, thin
+adapters over the `forward` / `rewind` the engine calls today (which stay as they are), so one scheduler can drive
+every graph. The per-slot rewind has a name of its own: `rewind(position)` is what the engine calls on every graph.
+
 `on_submit`: a graph calls it once its host-side inputs are built, right before the device work. The engine
 publishes the previous token there: the event loop's thread then formats and sends that chunk while the device
 runs, instead of taking the GIL from the device-owner thread while that thread is still building inputs (every
@@ -17,7 +28,7 @@ torch call releases the GIL, and getting it back waited for the whole chunk: ~0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -43,3 +54,59 @@ class Graph(Protocol):
     def rewind(self, position: int) -> int:
         """Forget slots >= position; return the position the next forward must start at (<= position)."""
         ...
+
+
+class SlotGraph(Protocol):
+    """Protocol v3 (the module docs): what a scheduler of several conversations calls."""
+
+    slots: int  # independent KV caches (1 for v1, v2, hf, null)
+    decode_batches: tuple[int, ...]  # rows one decode call takes, ascending (a call of B rows runs the smallest >= B)
+    prefill_buckets: tuple[int, ...]
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        """embeds [1, T, H], positions [1, T] into `slot` -> logits [1, T, V] f32 ([1, 1, V] with last_only)."""
+        ...
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        """embeds [B, 1, H], positions [B, 1], B distinct slots -> logits [B, V] f32; row b in slot slots[b]."""
+        ...
+
+    def rewind_slot(self, slot: int, position: int) -> int:
+        """`rewind` for one slot: forget its positions >= position; return where its next call must start."""
+        ...
+
+
+class OneSlot:
+    """Protocol v3 for a one-slot graph: slot 0 is its one KV cache, a decode batch is one row. Adapters over the
+    graph's own `forward` and `rewind`, which they call unchanged."""
+
+    slots = 1
+    decode_batches: tuple[int, ...] = (1,)
+    # The graph class this is mixed into supplies `forward` and `rewind` (Graph): nothing here overrides them.
+    forward: Callable[..., torch.Tensor]
+    rewind: Callable[[int], int]
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        _only_slot_zero([slot])
+        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        if embeds.shape[0] != 1 or positions.shape != (1, 1):
+            raise ValueError(f"a one-slot graph decodes one row: embeds {tuple(embeds.shape)}, positions "
+                             f"{tuple(positions.shape)}")
+        _only_slot_zero(slots)
+        return self.forward(embeds, positions, last_only=True, on_submit=on_submit)[:, 0]  # [1, V]
+
+    def rewind_slot(self, slot: int, position: int) -> int:
+        _only_slot_zero([slot])
+        return self.rewind(position)
+
+
+def _only_slot_zero(slots: Sequence[int] | torch.Tensor) -> None:
+    ids = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+    if ids != [0]:
+        raise ValueError(f"a one-slot graph has slot 0 only, got slots {ids}")

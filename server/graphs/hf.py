@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from server.graphs.base import DTYPES
+from server.graphs.base import DTYPES, OneSlot
 from server.model.artifacts import GraphSpec
 
 
-class HFGraph:
+class HFGraph(OneSlot):
     name = "hf"
 
     def __init__(self, checkpoint: Path | str, spec: GraphSpec, *, device: str = "cpu") -> None:
@@ -29,6 +29,7 @@ class HFGraph:
         config = self.model.config.get_text_config()
         self.max_total = spec.max_total
         self.prefill_bucket = spec.prefill_bucket
+        self.prefill_buckets = (spec.prefill_bucket,)
         self.input_dtype = dtype
         self.vocab_size = int(config.vocab_size)
         self.host_softcap = None  # transformers applies the final soft-cap itself

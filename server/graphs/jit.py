@@ -12,17 +12,20 @@ NxD drops aliased outputs and the KV stays on the device in `nxd_model.state`; o
 T is exactly BUCKET (prefill) or 1 (decode): ModelBuilder routes by shape and an unknown shape raises,
 so a short prefill chunk is padded here. Pad positions continue past the last real one; their KV writes
 land in slots no real query has seen yet, and later decode steps overwrite them before any query can.
+
+Contract v2 (`JitGraphV2`) takes embeds and positions only; contract v3 (`JitGraphV3`) adds slot ids and decode
+graphs over several rows, and answers protocol v3 (graphs/base.py) natively. v1 and v2 answer it as one-slot graphs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from server.graphs.base import DTYPES
+from server.graphs.base import DTYPES, OneSlot
 from server.model.artifacts import GraphSpec
 from server.vendor.neuron_prelude import prepare_neuron_imports
 
@@ -97,11 +100,30 @@ class _CompiledGraph:
             # Pushes the saved sharded weights to the NeuronCores; once, before the first call.
             self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
 
+    def _load_weights(self, path: Path | str, spec: GraphSpec, start_rank: int) -> None:
+        if spec.weight_files:
+            self._load_separate_weights([Path(path).parent / f for f in spec.weight_files], start_rank)
+        else:
+            self._initialize_saved_weights(start_rank)
+
+    def _load_separate_weights(self, files: list[Path], start_rank: int) -> None:
+        from server.model.weights import attach_weights, open_rank_weights
+
+        weights = [open_rank_weights(f) for f in files]  # memory-mapped, one dict per rank
+        if hasattr(self.module, "nxd_model"):
+            # NxD's own initialisation (what ModelBuilder.trace does with its shards) from the mapped files.
+            self.module.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))
+        else:
+            if len(weights) != 1:
+                raise ValueError(f"a CPU graph runs one rank, graph.json lists {len(weights)} weight files")
+            attached = attach_weights(self.module, weights[0], prefix="core.")
+            log.info("attached %.1f MB of memory-mapped weights", attached / 1e6)
+
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+    def _pad_chunk(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk of T tokens padded to the smallest graph that holds it (pad positions continue past the last)."""
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         bucket = self._bucket_for[t]  # KeyError: a chunk longer than the largest bucket (the engine plans them)
         if bucket != t:
@@ -109,18 +131,29 @@ class _CompiledGraph:
             embeds = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], dim=1)  # [1, B, H]
             tail = positions[0, -1] + 1 + torch.arange(pad)  # continue past the last real position
             positions = torch.cat([positions, tail[None]], dim=1)  # [1, B]
+        return embeds, positions
+
+    @staticmethod
+    def _logits(out: object) -> torch.Tensor:
+        logits = out[0] if isinstance(out, tuple | list) else out  # Neuron returns it alone, the CPU trace first
+        assert isinstance(logits, torch.Tensor)
+        return logits
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
+        embeds, positions = self._pad_chunk(embeds, positions)
         inputs = self._contract_inputs(positions)
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
         if on_submit is not None:
             on_submit()
-        out = self.module(embeds, positions, *inputs)
-        logits = out[0] if isinstance(out, tuple | list) else out  # [1, T', V]: Neuron returns it alone, CPU first
+        logits = self._logits(self.module(embeds, positions, *inputs))  # [1, T', V]
         if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()
 
 
-class JitGraph(_CompiledGraph):
+class JitGraph(_CompiledGraph, OneSlot):
     """Contract v1 (the module docs): one prefill bucket; the host builds the write slots and masks."""
 
     def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, sliding_window: int | None,
@@ -137,7 +170,7 @@ class JitGraph(_CompiledGraph):
         return position
 
 
-class JitGraphV2(_CompiledGraph):
+class JitGraphV2(_CompiledGraph, OneSlot):
     """Contract v2 (ARCHITECTURE.md "Contract v2"): `model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T])`.
 
     The graph builds its masks and KV write slots from the positions and keeps sliding layers in a ring of
@@ -148,25 +181,9 @@ class JitGraphV2(_CompiledGraph):
     def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, final_softcap: float | None,
                  start_rank: int = 0) -> None:
         super().__init__(path, spec, "contract v2", vocab_size=vocab_size, final_softcap=final_softcap)
-        if spec.weight_files:
-            self._load_separate_weights([Path(path).parent / f for f in spec.weight_files], start_rank)
-        else:
-            self._initialize_saved_weights(start_rank)
+        self._load_weights(path, spec, start_rank)
         self.window, self.ring = spec.sliding_window, spec.sliding_slots
         self._written = -1  # highest position written (pads included) since the cache was last filled from 0
-
-    def _load_separate_weights(self, files: list[Path], start_rank: int) -> None:
-        from server.model.weights import attach_weights, open_rank_weights
-
-        weights = [open_rank_weights(f) for f in files]  # memory-mapped, one dict per rank
-        if hasattr(self.module, "nxd_model"):
-            # NxD's own initialisation (what ModelBuilder.trace does with its shards) from the mapped files.
-            self.module.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))
-        else:
-            if len(weights) != 1:
-                raise ValueError(f"a CPU graph runs one rank, graph.json lists {len(weights)} weight files")
-            attached = attach_weights(self.module, weights[0], prefix="core.")
-            log.info("attached %.1f MB of memory-mapped weights", attached / 1e6)
 
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Recorded before the call: a failed call may have written some layers.
@@ -178,7 +195,103 @@ class JitGraphV2(_CompiledGraph):
         `position` still reads: positions (position - window, position). A slot holds position x until a write at
         x + ring, so all of them survive iff position - window + 1 > written - ring. Otherwise only a prefill from
         0 rebuilds the ring (going back less would need even older positions)."""
-        if position > 0 and (self.ring is None or position - self.window + 1 > self._written - self.ring):
-            return position
-        self._written = -1
-        return 0
+        keeps = ring_keeps(position, self._written, self.window, self.ring)
+        if not keeps:
+            self._written = -1
+        return position if keeps else 0
+
+
+def ring_keeps(position: int, written: int, window: int | None, ring: int | None) -> bool:
+    """Whether a ring cache written up to `written` still holds what a query at `position` reads (JitGraphV2.rewind)."""
+    return position > 0 and (ring is None or window is None or position - window + 1 > written - ring)
+
+
+class JitGraphV3(_CompiledGraph):
+    """Contract v3: `model(inputs_embeds f32 [B,T,H], position_ids int64 [B,T], slot_ids int64 [B])`.
+
+    The graph keeps `slots` KV caches, each a v2 ring per layer. A prefill is one row (B = 1) of a bucket's length
+    into one slot; a decode call takes B rows (T = 1), each in its own slot at its own position, and runs the
+    smallest compiled decode batch >= B. Spare rows of that batch shadow real rows: row j of the spare ones repeats
+    real row j mod B in its slot, k = 1 + j // B positions ahead, with zero embeds. That write lands where a pad of a
+    prefill chunk would (positions past the row's last one, which the slot's next call overwrites before any query
+    reads them, the ring's guarantee for up to `max(decode_batches) <= largest bucket` positions a call), costs what
+    a real row costs and touches no other slot. `rewind_slot` counts it as written.
+
+    For the engine of today, `forward` and `rewind` serve slot 0 as a v2 graph would.
+    """
+
+    def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, final_softcap: float | None,
+                 start_rank: int = 0) -> None:
+        super().__init__(path, spec, "contract v3", vocab_size=vocab_size, final_softcap=final_softcap)
+        self._load_weights(path, spec, start_rank)
+        self.window, self.ring = spec.sliding_window, spec.sliding_slots
+        self.slots = spec.kv_slots
+        self.decode_batches = spec.decode_batches
+        # rows -> the compiled decode batch that runs them (the smallest that holds them)
+        self._batch_for = {n: next(b for b in spec.decode_batches if b >= n) for n in range(1, max(spec.decode_batches) + 1)}
+        self._slot_written = [-1] * spec.kv_slots  # per slot: highest position written (pads included)
+        self._slot_ids = [torch.tensor([s]) for s in range(spec.kv_slots)]  # [1] int64 each, made once
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
+        if t == 1:  # one token runs on the decode graph (no bucket of 1)
+            return self.decode(embeds, positions, [slot], on_submit=on_submit)[:, None]  # [1, 1, V]
+        self._check_slots([slot])
+        embeds, positions = self._pad_chunk(embeds, positions)  # [1, bucket, H], [1, bucket]
+        self._slot_written[slot] = max(self._slot_written[slot], int(positions[0, -1]))  # before: a failed call wrote
+        embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
+        if on_submit is not None:
+            on_submit()
+        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot]))  # [1, bucket, V]
+        logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int] | torch.Tensor, *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        rows = embeds.shape[0]  # embeds [B, 1, H], positions [B, 1]
+        ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+        if embeds.shape[1] != 1 or positions.shape != (rows, 1) or len(ids) != rows:
+            raise ValueError(f"decode takes embeds [B, 1, H], positions [B, 1], B slots; got {tuple(embeds.shape)}, "
+                             f"{tuple(positions.shape)}, {len(ids)} slots")
+        batch = self._batch_for.get(rows)
+        if batch is None:
+            raise ValueError(f"{rows} rows: the largest compiled decode batch is {max(self.decode_batches)}")
+        self._check_slots(ids)
+        spare = batch - rows
+        positions = positions.to(torch.int64)
+        if spare:
+            shadow = torch.arange(spare)  # [spare]
+            of = shadow % rows  # [spare] the real row each spare row shadows
+            embeds = torch.cat([embeds, embeds.new_zeros(spare, 1, embeds.shape[2])])  # [batch, 1, H]
+            positions = torch.cat([positions, positions[of] + (1 + shadow // rows)[:, None]])  # [batch, 1]
+            ids = ids + [ids[r] for r in of.tolist()]
+        for slot, position in zip(ids, positions[:, 0].tolist(), strict=True):
+            self._slot_written[slot] = max(self._slot_written[slot], position)
+        slot_ids = torch.tensor(ids, dtype=torch.int64)  # [batch]
+        embeds = embeds.to(self.input_dtype)
+        if on_submit is not None:
+            on_submit()
+        logits = self._logits(self.module(embeds, positions, slot_ids))  # [batch, 1, V]
+        logits = logits[:rows, 0]  # [B, V]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def rewind_slot(self, slot: int, position: int) -> int:
+        """`JitGraphV2.rewind` for one slot: other slots' writes never reach its ring."""
+        self._check_slots([slot])
+        keeps = ring_keeps(position, self._slot_written[slot], self.window, self.ring)
+        if not keeps:
+            self._slot_written[slot] = -1
+        return position if keeps else 0
+
+    def _check_slots(self, ids: list[int]) -> None:
+        if len(set(ids)) != len(ids) or not all(0 <= s < self.slots for s in ids):
+            raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {ids}")
+
+    # The one-slot protocol the engine drives today: slot 0.
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit)
+
+    def rewind(self, position: int) -> int:
+        return self.rewind_slot(0, position)

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from server.graphs.base import OneSlot
+
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (
     " a the of and to in is that for it with as was on be by at this are from or have an they which one you were"
@@ -21,7 +23,7 @@ NULL_GRAPH_WORDS = (
 )
 
 
-class NullGraph:
+class NullGraph(OneSlot):
     name = "null"
 
     def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
@@ -30,6 +32,7 @@ class NullGraph:
         self.vocab_size = vocab_size
         self.max_total = max_total
         self.prefill_bucket = prefill_bucket
+        self.prefill_buckets = (prefill_bucket,)
         self.input_dtype = input_dtype
         self.host_softcap = host_softcap
         generator = torch.Generator().manual_seed(seed)

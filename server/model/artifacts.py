@@ -30,7 +30,8 @@ GRAPH_FILES = ("sqz_neff.pt", "model.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write slots and masks
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
-CONTRACTS = (CONTRACT, CONTRACT_V2)
+CONTRACT_V3 = "gemma4-optb/v3"  # v2 with S KV slots (slot ids in) and decode graphs over several rows
+CONTRACTS = (CONTRACT, CONTRACT_V2, CONTRACT_V3)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
 ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors")
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
@@ -52,6 +53,9 @@ class GraphSpec:
     v2 adds: several prefill buckets (`prefill_buckets`; v1's single `prefill_bucket` is still read, and stays the
     most tokens one call takes), the sliding window and ring size the host needs to know how far back a rewind
     may go, and where the weights are (`weights: separate` -> per-rank safetensors in `weight_files`).
+
+    v3 adds `kv_slots` (S independent KV caches; graph.json's `kv_slots` is that count, so v3 records the rings
+    under `ring_slots`, where v2 wrote them under `kv_slots`) and `decode_batches` (the compiled decode batch sizes).
     """
 
     max_total: int = 512
@@ -66,6 +70,8 @@ class GraphSpec:
     sliding_slots: int | None = None  # v2: KV slots of a sliding layer's ring
     weights: str = "inside"
     weight_files: tuple[str, ...] = ()
+    kv_slots: int = 1  # v3: independent KV caches
+    decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes, ascending
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -74,6 +80,10 @@ class GraphSpec:
     @property
     def v2(self) -> bool:
         return self.contract == CONTRACT_V2
+
+    @property
+    def v3(self) -> bool:
+        return self.contract == CONTRACT_V3
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GraphSpec:
@@ -86,7 +96,8 @@ class GraphSpec:
                                   " rebuild the graph with the vendored recipe or update the server")
         buckets = tuple(sorted({int(b) for b in data.get("prefill_buckets") or ()}))
         window = data.get("sliding_window")
-        slots = (data.get("kv_slots") or {}).get("sliding_attention")
+        v3 = contract == CONTRACT_V3
+        slots = (data.get("ring_slots" if v3 else "kv_slots") or {}).get("sliding_attention")
         spec = cls(
             max_total=int(data.get("max_total", default.max_total)),
             prefill_bucket=max(buckets) if buckets else int(data.get("prefill_bucket", default.prefill_bucket)),
@@ -100,6 +111,8 @@ class GraphSpec:
             sliding_slots=int(slots) if slots else None,
             weights=str(data.get("weights", "inside")),
             weight_files=tuple(str(f) for f in data.get("weight_files") or ()),
+            kv_slots=int(data.get("kv_slots", 1)) if v3 else 1,
+            decode_batches=tuple(sorted({int(b) for b in data.get("decode_batches") or (1,)})) if v3 else (1,),
         )
         if spec.max_total < 2 or not 1 <= min(spec.buckets) <= spec.prefill_bucket <= spec.max_total:
             raise ValueError(f"need 1 <= prefill buckets <= max_total, got {spec.buckets}, {spec.max_total}")
@@ -109,6 +122,10 @@ class GraphSpec:
             raise ValueError(f"weights must be 'inside', or 'separate' with weight_files, got {spec.weights!r}")
         if spec.v2 and (spec.sliding_window is None) != (spec.sliding_slots is None):
             raise ValueError("a v2 graph with a sliding window records kv_slots.sliding_attention too")
+        if spec.v3 and (spec.sliding_window is None) != (spec.sliding_slots is None):
+            raise ValueError("a v3 graph with a sliding window records ring_slots.sliding_attention too")
+        if spec.v3 and not 1 <= min(spec.decode_batches) <= max(spec.decode_batches) <= spec.kv_slots:
+            raise ValueError(f"need 1 <= decode batches <= kv_slots, got {spec.decode_batches}, {spec.kv_slots}")
         return spec
 
     def to_json(self) -> dict[str, Any]:
@@ -125,6 +142,11 @@ class GraphSpec:
             record.update(prefill_buckets=list(self.buckets), sliding_window=self.sliding_window,
                           kv_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
                           weight_files=list(self.weight_files))
+        if self.v3:
+            record.update(prefill_buckets=list(self.buckets), sliding_window=self.sliding_window,
+                          ring_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
+                          weight_files=list(self.weight_files), kv_slots=self.kv_slots,
+                          decode_batches=list(self.decode_batches))
         return record
 
 

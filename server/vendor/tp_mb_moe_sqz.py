@@ -32,6 +32,18 @@ per call. ``--weights separate`` traces the graph without weights and writes eac
 ``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxD's own names; the server memory-maps them). graph.json
 records every shape the host needs (buckets, kv_slots, sliding_window, inputs/outputs, weights).
 
+Contract v3 ("gemma4-optb/v3", ``--contract v3 --kv-slots S --decode-batches 1,2,4``), several conversations:
+
+    model(inputs_embeds f32 [B,T,H], position_ids int64 [B,T], slot_ids int64 [B]) -> (logits f32 [B,T,V], *kv)
+
+The graph keeps S independent KV caches (per layer [S, kv_heads, R, D], each slot one v2 ring). B == 1 and T a
+prefill bucket: a prefill into slot ``slot_ids[0]``; T == 1 and B one of ``--decode-batches``: a decode step, row b
+reading and writing only slot ``slot_ids[b]`` at its own position, with its own ring mask (``SlotRingCache``,
+``ring_mask``). Decode graphs gather the routed experts while B tokens read less than all of them
+(``decode_experts``), dense above. graph.json adds ``kv_slots`` (S), ``decode_batches``, ``ring_slots`` (v2's
+``kv_slots`` map, renamed: ``kv_slots`` is S here) and every cache shape. A batch the host rounds up to a compiled
+size fills its spare rows without touching another slot (graphs/jit.py ``JitGraphV3``).
+
 Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
 layer scalars). Only what does not trace or shard is swapped:
   * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
@@ -55,6 +67,9 @@ Usage:
         (torch-xla on CPU; lowering is necessary for neuronx-cc, not sufficient)
     python tp_mb_moe_sqz.py --roofline --config CONFIG_JSON [--tp 2] [--attn-quant int8|none] [--json]  # a projection
     python tp_mb_moe_sqz.py --bench-experts [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    python tp_mb_moe_sqz.py --bench-batched [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    python tp_mb_moe_sqz.py --slot-table --contract v3 --config CONFIG_JSON [--max-total ...] [--json]  # projection
+    v3 flags: --contract v3 --kv-slots S --decode-batches 1,2,4 (reports take them too)
     Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
                  --attn-quant none|int8 (attention projections per-channel int8 as well).
 """
@@ -78,6 +93,7 @@ from torch import nn
 
 CONTRACT = "gemma4-optb/v1"
 CONTRACT_V2 = "gemma4-optb/v2"
+CONTRACT_V3 = "gemma4-optb/v3"
 # Per-rank weight files of a --weights separate build: NxD's own names (ModelBuilder.shard_checkpoint writes them).
 RANK_WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 # Host-side files the server needs next to the graph; copied when the checkpoint has them.
@@ -149,6 +165,35 @@ def check_supported(cfg, tp: int) -> None:
                 problems.append(f"{name}={value} is not divisible by tp={tp}")
     if problems:
         raise ValueError("unsupported Gemma-4 config: " + "; ".join(problems))
+
+
+def check_slots(plan: Plan) -> None:
+    """v3's KV slots and decode batches, checked before anything is built.
+
+    A decode batch holds distinct slots, so no batch exceeds S. A batch rounded up to a compiled size fills its
+    spare rows by shadowing real rows one position ahead in their own slot (graphs/jit.py): a row and its shadows
+    write at most max(decode_batches) consecutive positions of one slot in a call, which the ring holds safely only
+    up to the largest prefill bucket (Plan.ring_slots), so no decode batch may exceed that bucket either.
+    """
+    batches = tuple(plan.decode_batches)
+    if plan.contract != "v3":
+        if plan.kv_slots != 1 or batches != (1,):
+            raise ValueError("--kv-slots and --decode-batches need --contract v3")
+        if plan.kv_int8:
+            raise ValueError("--kv-quant int8 needs --contract v3")
+        return
+    problems = []
+    if plan.kv_slots < 1:
+        problems.append(f"kv_slots must be >= 1, got {plan.kv_slots}")
+    if not batches or list(batches) != sorted(set(batches)) or batches[0] < 1:
+        problems.append(f"decode batches must be distinct positive sizes in ascending order, got {batches}")
+    elif batches[-1] > plan.kv_slots:
+        problems.append(f"decode batch {batches[-1]} exceeds the {plan.kv_slots} KV slots (one slot per row)")
+    elif batches[-1] > max(plan.buckets):
+        problems.append(f"decode batch {batches[-1]} exceeds the largest prefill bucket {max(plan.buckets)} "
+                        "(padded rows write ahead of a real row; the ring holds that many positions)")
+    if problems:
+        raise ValueError("unsupported v3 plan: " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -253,8 +298,13 @@ class ShardLinear(nn.Module):
         dtype: torch.dtype,
         coll: Collectives,
         gather_output: bool = False,
+        weight_left: bool = False,
     ) -> None:
         super().__init__()
+        # weight_left: compute y^T = W @ x^T (the lm_head). For a few rows against a vocabulary-sized W, MKL runs that
+        # form 2-3x faster than F.linear's x @ W^T on CPU (26 vs 32 ms for 1 row, 16 vs 42 ms for 4, at 262144 x
+        # 256 f32); the same products and sums. The output is then transposed, which only the logits can afford.
+        self.weight_left = weight_left
         if mode not in ("replicated", "col", "row"):
             raise ValueError(f"unknown mode {mode!r}")
         split_dim = {"col": 0, "row": 1}.get(mode)
@@ -279,12 +329,11 @@ class ShardLinear(nn.Module):
                 mark_parallel(self.weight, split_dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_local] -> [..., out_local] (or [..., out])
+        weight = self.qweight.to(x.dtype) if self.quant else self.weight  # [out_local, in_local]
+        y = torch.matmul(weight, x.mT).mT if self.weight_left else F.linear(x, weight)  # [..., out_local]
         if self.quant:
             # Per-output-channel scale commutes with the matmul: scale the [.., out] result, not the weight.
-            y = F.linear(x, self.qweight.to(x.dtype))  # [..., out_local]
             y = (y.float() * self.scale).to(x.dtype)
-        else:
-            y = F.linear(x, self.weight)  # [..., out_local]
         if self.mode == "row":
             y = self.coll.all_reduce(y)
         elif self.mode == "col" and self.gather_output:
@@ -443,7 +492,13 @@ class SelectiveExperts(DenseExperts):
             tokens = int(hidden_states.shape[0])
         if tokens > self.selective_tokens:
             return super().forward(hidden_states, top_k_index, top_k_weights)
-        return self.coll.all_reduce(self.routed(hidden_states, top_k_index, top_k_weights))
+        # One routed expert slot at a time (K is fixed, so one trace serves every N): slot k's gather of N experts
+        # ([N, 2I_l, H], 4 MB f32 at N = 4 on the bench config) stays in the CPU's cache between its widening to f32
+        # and the matmul that reads it; all N * K at once (32 MB) do not, and a 4-row decode step then cost 16x a
+        # one-row step in the experts, not 4x. The same rows and bytes are read: K gathers of N instead of one of N*K.
+        partial = [self.routed(hidden_states, top_k_index[:, k : k + 1], top_k_weights[:, k : k + 1])
+                   for k in range(self.top_k)]  # K x [N, H]
+        return self.coll.all_reduce(functools.reduce(torch.add, partial))  # [N, H]
 
     def routed(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -451,19 +506,26 @@ class SelectiveExperts(DenseExperts):
         """Gather the routed experts' weights (this rank's slice of I) and run only those."""
         dtype = hidden_states.dtype
         weights = top_k_weights.to(dtype)  # [N, K]
+        flat = top_k_index.reshape(-1)  # [N * K]
+
+        def pick(table: torch.Tensor) -> torch.Tensor:  # [E, ...] -> [N, K, ...]: the only expert rows read
+            # index_select, not table[top_k_index]: the same gather in the HLO, but on CPU a copy of whole rows
+            # instead of advanced indexing's element loop (20-40x faster for int8 rows).
+            return table.index_select(0, flat).reshape(*top_k_index.shape, *table.shape[1:])
+
         if self.quant:
-            gate_up_w = self.gate_up_qweight[top_k_index].to(dtype)  # [N, K, 2I_l, H]: the only expert rows read
+            gate_up_w = pick(self.gate_up_qweight).to(dtype)  # [N, K, 2I_l, H]
             gate_up = torch.einsum("nh,nkoh->nko", hidden_states, gate_up_w)  # [N, K, 2I_l]
-            gate_up = (gate_up.float() * self.gate_up_scale[top_k_index]).to(dtype)
+            gate_up = (gate_up.float() * pick(self.gate_up_scale)).to(dtype)
         else:
-            gate_up = torch.einsum("nh,nkoh->nko", hidden_states, self.gate_up_proj[top_k_index])  # [N, K, 2I_l]
+            gate_up = torch.einsum("nh,nkoh->nko", hidden_states, pick(self.gate_up_proj))  # [N, K, 2I_l]
         gate, up = gate_up.chunk(2, dim=-1)  # [N, K, I_l] each
         inner = self.act_fn(gate) * up * weights.unsqueeze(-1)  # [N, K, I_l]
         if self.quant:
-            down_w = self.down_qweight[top_k_index].to(dtype)  # [N, K, H, I_l]
+            down_w = pick(self.down_qweight).to(dtype)  # [N, K, H, I_l]
             per_expert = torch.einsum("nki,nkhi->nkh", inner, down_w)  # [N, K, H]
-            return (per_expert.float() * self.down_scale[top_k_index]).sum(dim=1).to(dtype)  # [N, H]
-        return torch.einsum("nki,nkhi->nh", inner, self.down_proj[top_k_index])  # [N, H]
+            return (per_expert.float() * pick(self.down_scale)).sum(dim=1).to(dtype)  # [N, H]
+        return torch.einsum("nki,nkhi->nh", inner, pick(self.down_proj))  # [N, H]
 
     def extra_repr(self) -> str:
         return (
@@ -543,21 +605,78 @@ class RingCache:
         return out[0], out[1]
 
 
+class SlotRingCache:
+    """v3's ``cache`` object: S independent KV caches per layer ([S, kvh_l, R, D], each slot one v2 ring).
+
+    Row b of a call writes its T tokens into slot ``slot_ids[b]`` at ring index position mod R, and attends over
+    that slot alone: the update is one indexed write into the flattened [S * kvh_l * R, D] view (O(B * T) rows,
+    never a blend of the whole cache) and the read is ``index_select`` of the B slots. A slot never sees another
+    slot's KV because no row ever reads a slot id other than its own.
+    """
+
+    def __init__(self, model: RecipeModel, position_ids: torch.Tensor, slot_ids: torch.Tensor) -> None:
+        self.model = model
+        self.slot_ids = slot_ids  # [B] int64
+        self.rows: dict[tuple[int, int], torch.Tensor] = {}  # (ring, kv heads) -> flat write rows [B * kvh * T]
+        self.position_ids = position_ids  # [B, T]
+        self.new_states: dict[str, torch.Tensor] = {}
+
+    def _rows(self, ring: int, heads: int) -> torch.Tensor:
+        if (ring, heads) not in self.rows:
+            index = torch.remainder(self.position_ids, ring)  # [B, T] ring index of each token
+            head = torch.arange(heads, device=index.device, dtype=index.dtype)  # [kvh]
+            base = (self.slot_ids[:, None] * heads + head) * ring  # [B, kvh] first row of (slot, head)
+            self.rows[(ring, heads)] = (base[:, :, None] + index[:, None, :]).reshape(-1)  # [B * kvh * T]
+        return self.rows[(ring, heads)]
+
+    def _write(self, layer_idx: int, name: str, new: torch.Tensor) -> torch.Tensor:
+        """Write [B * kvh * T, width] rows (in (b, h, t) order) into state `name`; return the rows' slots of it."""
+        state = getattr(self.model.layers[layer_idx].self_attn, name)  # [S, kvh_local, R, width]
+        slots, heads, ring, width = state.shape
+        rows = self._rows(ring, heads)  # [B * kvh * T]
+        new = new.to(state.dtype)
+        if self.model.plan.inplace_kv:
+            state.view(-1, width).index_copy_(0, rows, new)  # CPU: the buffer is the cache
+            updated = state
+        else:
+            updated = state.reshape(-1, width).index_copy(0, rows, new).view(slots, heads, ring, width)
+        self.new_states[f"layers.{layer_idx}.self_attn.{name}"] = updated
+        return updated.index_select(0, self.slot_ids)  # [B, kvh_local, R, width]: only the rows' slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_: object):
+        # key/value_states [B, kvh_local, T, D] -> each row's own slot [B, kvh_local, R, D]
+        out = []
+        for kind, new in (("k", key_states), ("v", value_states)):
+            flat = new.reshape(-1, new.shape[-1])  # [B * kvh * T, D]
+            if not self.model.plan.kv_int8:
+                out.append(self._write(layer_idx, f"{kind}_cache", flat).to(new.dtype))  # a no-op unless stored narrower
+                continue
+            # Symmetric int8 per written vector (one scale per slot, head and position): |x - q * s| <= s / 2.
+            amax = flat.detach().float().abs().amax(dim=-1, keepdim=True)  # [B * kvh * T, 1]
+            scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [B * kvh * T, 1]
+            q = torch.round(flat.float() / scale).clamp(-127, 127)  # [B * kvh * T, D]
+            stored_q = self._write(layer_idx, f"{kind}_cache", q)  # [B, kvh, R, D] int8
+            stored_s = self._write(layer_idx, f"{kind}_scale", scale)  # [B, kvh, R, 1] f32
+            out.append((stored_q.float() * stored_s).to(new.dtype))  # [B, kvh, R, D] in the compute dtype
+        return out[0], out[1]
+
+
 def ring_mask(position_ids: torch.Tensor, ring: int, window: int | None) -> torch.Tensor:
-    """[1, T] positions -> f32 [1, 1, T, R]: 0 where slot j holds a position the query may see, else finfo.min.
+    """[B, T] positions -> f32 [B, 1, T, R]: 0 where slot j holds a position the query may see, else finfo.min.
 
     Slot j holds, for query q, position q - age with age = (q - j) mod R (the latest position <= q that maps to j;
     Plan.ring_slots guarantees nothing later overwrote it). Visible iff that position exists (age <= q) and is
-    inside the window (age < window; global layers: no window).
+    inside the window (age < window; global layers: no window). Each row (v3: each KV slot) has its own positions,
+    so its own ring and mask.
     """
-    pos = position_ids[0]  # [T]
+    pos = position_ids  # [B, T]
     slots = torch.arange(ring, device=pos.device, dtype=pos.dtype)  # [R]
-    age = torch.remainder(pos[:, None] - slots[None, :], ring)  # [T, R]
-    visible = age <= pos[:, None]
+    age = torch.remainder(pos[:, :, None] - slots, ring)  # [B, T, R]
+    visible = age <= pos[:, :, None]
     if window is not None:
         visible = visible & (age < window)
     neg = torch.finfo(torch.float32).min
-    return torch.where(visible, 0.0, neg).to(torch.float32)[None, None]  # [1, 1, T, R]
+    return torch.where(visible, 0.0, neg).to(torch.float32)[:, None]  # [B, 1, T, R]
 
 
 @dataclass(frozen=True)
@@ -574,6 +693,20 @@ class Plan:
     attn_quant: str = "none"  # "int8": attention projections per-channel int8 too
     contract: str = "v1"  # "v1": the host ships one-hot + masks; "v2": embeds + positions, rings, indexed writes
     buckets: tuple[int, ...] = (128,)  # prefill chunk lengths (v2 sizes its rings by the largest)
+    kv_slots: int = 1  # v3: independent KV caches (conversations), each one v2 ring per layer
+    decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes (rows per step)
+    kv_quant: str = "none"  # v3 "int8": K and V int8 per (slot, head, position) with an f32 scale, opt-in
+
+    @property
+    def kv_int8(self) -> bool:
+        if self.kv_quant not in QUANT_MODES:
+            raise ValueError(f"kv_quant must be one of {QUANT_MODES}, got {self.kv_quant!r}")
+        return self.kv_quant == "int8"
+
+    @property
+    def ringed(self) -> bool:
+        """v2 and v3 keep rings and build their masks in the graph."""
+        return self.contract in ("v2", "v3")
 
     def ring_slots(self, window: int | None) -> int:
         """v2 KV slots of a layer: a ring of window + largest bucket (sliding), MAX + largest bucket (global).
@@ -625,8 +758,9 @@ class RecipeModel(nn.Module):
         self.layer_types = list(cfg.layer_types)
         self.state_names: list[str] = []
         self.ring_sizes: list[int] = []  # KV slots per layer
-        if plan.contract not in ("v1", "v2"):
+        if plan.contract not in ("v1", "v2", "v3"):
             raise ValueError(f"unknown contract {plan.contract!r}")
+        check_slots(plan)
         tp, int8, dtype = plan.tp, plan.int8, plan.dtype
 
         def linear(lin: nn.Linear, mode: str, quant: bool, gather_output: bool = False) -> ShardLinear:
@@ -656,11 +790,16 @@ class RecipeModel(nn.Module):
                 attn.v_proj = linear(attn.v_proj, "col" if sharded else "replicated", quant=plan.attn_int8)
             attn.o_proj = linear(attn.o_proj, "row" if sharded else "replicated", quant=plan.attn_int8)
             local_kv = kv_heads // tp if sharded else kv_heads
-            # v1: slot = absolute position (MAX slots); v2: a ring per layer (Plan.ring_slots)
-            n_slots = plan.ring_slots(self.window_of(idx)) if plan.contract == "v2" else plan.max_total
+            # v1: slot = absolute position (MAX slots); v2: a ring per layer (Plan.ring_slots); v3: S such rings
+            n_slots = plan.ring_slots(self.window_of(idx)) if plan.ringed else plan.max_total
             self.ring_sizes.append(n_slots)
-            for name in ("k_cache", "v_cache"):
-                slots = torch.zeros(1, local_kv, n_slots, attn.head_dim, dtype=dtype)  # [1, kvh_l, slots, D]
+            caches = plan.kv_slots if plan.contract == "v3" else 1
+            # --kv-quant int8 (v3): K and V as int8 with one f32 scale per (slot, head, ring position)
+            states = [(name, attn.head_dim, torch.int8 if plan.kv_int8 else dtype) for name in ("k_cache", "v_cache")]
+            if plan.kv_int8:
+                states += [("k_scale", 1, torch.float32), ("v_scale", 1, torch.float32)]
+            for name, width, state_dtype in states:
+                slots = torch.zeros(caches, local_kv, n_slots, width, dtype=state_dtype)  # [S, kvh_l, slots, D or 1]
                 if plan.kv_as_params:
                     setattr(attn, name, nn.Parameter(slots, requires_grad=False))
                 else:
@@ -692,6 +831,7 @@ class RecipeModel(nn.Module):
             dtype=dtype,
             coll=coll,
             gather_output=True,
+            weight_left=True,
         )
         self._cast_floats(dtype)
         for p in self.parameters():
@@ -699,9 +839,12 @@ class RecipeModel(nn.Module):
 
     def _cast_floats(self, dtype: torch.dtype) -> None:
         """HF submodules are created in f32; move their weights to the compute dtype (not our f32 scales)."""
-        for module in self.modules():
+        states = set(self.state_names)  # KV states are made in their own dtype (int8 KV's scales stay f32)
+        for prefix, module in self.named_modules():
             keep = getattr(module, "keep_f32", ())
             for name, p in module._parameters.items():
+                if f"{prefix}.{name}" in states:
+                    continue
                 if p is not None and p.is_floating_point() and name not in keep and p.dtype != dtype:
                     p.data = p.data.to(dtype)  # keeps the Parameter object and its TP attributes
 
@@ -728,22 +871,25 @@ class RecipeModel(nn.Module):
 
     def forward(
         self,
-        inputs_embeds: torch.Tensor,  # f32 [1, T, H], already x embed scale
-        position_ids: torch.Tensor,  # int64 [1, T]
-        onehot: torch.Tensor | None = None,  # v1 only: f32 [1, 1, MAX, T]
-        full_mask: torch.Tensor | None = None,  # v1 only: f32 [1, 1, T, MAX]
-        sliding_mask: torch.Tensor | None = None,  # v1 only: f32 [1, 1, T, MAX]
+        inputs_embeds: torch.Tensor,  # f32 [B, T, H], already x embed scale (B = 1 but for v3 decode)
+        position_ids: torch.Tensor,  # int64 [B, T]
+        *contract_inputs: torch.Tensor,  # v1: onehot [1,1,MAX,T], full_mask, sliding_mask [1,1,T,MAX]; v3: slot_ids [B]
     ) -> tuple[torch.Tensor, ...]:
-        hidden = inputs_embeds.to(self.plan.dtype)  # [1, T, H]
+        hidden = inputs_embeds.to(self.plan.dtype)  # [B, T, H]
         rope = {lt: self.rotary_emb(hidden, position_ids, lt) for lt in sorted(set(self.layer_types))}
         # Masks stay f32: a bf16 score plus an f32 mask is computed in f32 (finfo(f32).min would be -inf in bf16).
-        if self.plan.contract == "v2":
-            cache = RingCache(self, position_ids)
+        if self.plan.ringed:
+            if self.plan.contract == "v3":
+                (slot_ids,) = contract_inputs  # [B] int64
+                cache = SlotRingCache(self, position_ids, slot_ids)
+            else:
+                cache = RingCache(self, position_ids)
             masks = {}
             for idx, layer_type in enumerate(self.layer_types):
                 if layer_type not in masks:  # every layer of a type has the same ring and window
-                    masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx))
+                    masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx))  # [B,1,T,R]
         else:
+            onehot, full_mask, sliding_mask = contract_inputs
             cache = SlotCache(self, onehot)
             masks = {"full_attention": full_mask, "sliding_attention": sliding_mask}
         shared_kv: dict = {}  # HF's last layer of each type stores its K/V here; unused without KV sharing
@@ -757,16 +903,20 @@ class RecipeModel(nn.Module):
                 attention_mask=masks[layer_type],
                 position_ids=position_ids,
                 cache=cache,
-            )  # [1, T, H]
+            )  # [B, T, H]
         hidden = self.norm(hidden)
-        logits = self.lm_head(hidden).float()  # [1, T, V]; no soft-cap, the host applies it
+        logits = self.lm_head(hidden).float()  # [B, T, V]; no soft-cap, the host applies it
         return (logits, *[cache.new_states[n] for n in self.state_names])
 
-    # trace_module needs one method per graph; both are the same forward at different T.
+    # trace_module needs one method per graph; all are the same forward at different shapes. v3 traces
+    # `decode_dense` too: decode batches past the selective limit freeze the other experts path (SelectiveExperts).
     def prefill(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.forward(*inputs)
 
     def decode(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.forward(*inputs)
+
+    def decode_dense(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.forward(*inputs)
 
 
@@ -933,23 +1083,40 @@ def contract_inputs(
     return inputs_embeds.float(), position_ids.to(torch.int64), onehot, full, sliding
 
 
-def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1") -> tuple[torch.Tensor, ...]:
-    embeds = torch.randn(1, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [1, T, H]
-    positions = torch.arange(start, start + t, dtype=torch.int64)[None]  # [1, T]
+def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1", batch: int = 1,
+                   slot_ids: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """One graph's inputs: T tokens from `start` (v3: B rows, row r at start - 3r, in slot_ids or 0..B-1)."""
+    embeds = torch.randn(batch, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [B, T, H]
+    offsets = torch.clamp(start - 3 * torch.arange(batch), min=0)  # [B] distinct rows sit at distinct positions
+    positions = offsets[:, None] + torch.arange(t, dtype=torch.int64)  # [B, T]
+    if contract == "v3":
+        slots = torch.tensor(slot_ids if slot_ids is not None else list(range(batch)), dtype=torch.int64)  # [B]
+        return embeds.float(), positions, slots
     if contract == "v2":
         return embeds.float(), positions  # v2 builds masks and write slots inside the graph
     return contract_inputs(embeds, positions, max_total, cfg.sliding_window)
 
 
-def graph_keys(plan: Plan) -> list[tuple[str, int, int]]:
-    """(key, T, start position of the example) per graph: each prefill bucket, then decode.
+def graph_keys(plan: Plan) -> list[tuple[str, int, int, int]]:
+    """(key, T, start position of the example, B) per graph: each prefill bucket, then decode.
 
-    v1 keeps its two keys ("prefill", "decode"); v2 names a prefill graph per bucket ("prefill_512").
+    v1 keeps its two keys ("prefill", "decode"); v2 names a prefill graph per bucket ("prefill_512"); v3 also a
+    decode graph per batch size ("decode_4": [4, 1, H] over 4 slots).
     """
     if plan.contract == "v1":
         (bucket,) = plan.buckets
-        return [("prefill", bucket, 0), ("decode", 1, bucket)]
-    return [*((f"prefill_{b}", b, 0) for b in plan.buckets), ("decode", 1, max(plan.buckets))]
+        return [("prefill", bucket, 0, 1), ("decode", 1, bucket, 1)]
+    prefill = [(f"prefill_{b}", b, 0, 1) for b in plan.buckets]
+    if plan.contract == "v3":
+        return [*prefill, *((f"decode_{b}", 1, max(plan.buckets), b) for b in plan.decode_batches)]
+    return [*prefill, ("decode", 1, max(plan.buckets), 1)]
+
+
+def decode_experts(plan: Plan, cfg) -> dict[int, str]:
+    """Which experts path each decode batch's graph holds: selective while B tokens gather fewer expert slices
+    than dense reads (``selective_token_limit``: B * top_k < num_experts for the 26B), dense above."""
+    limit = selective_token_limit(cfg, plan.tp, plan.quant) if plan.experts == "selective" else 0
+    return {b: "selective" if b <= limit else "dense" for b in plan.decode_batches}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -979,12 +1146,17 @@ def residency(
     dtype: torch.dtype = torch.bfloat16,
     contract: str = "v1",
     buckets: tuple[int, ...] = (128,),
+    attn_quant: str = "none",
+    kv_slots: int = 1,
+    decode_batches: tuple[int, ...] = (1,),
+    kv_quant: str = "none",
 ) -> dict[str, int]:
     """Device bytes held by one rank, per component (every rank holds the same amount)."""
     from accelerate import init_empty_weights
 
     plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False,
-                contract=contract, buckets=tuple(buckets))
+                contract=contract, buckets=tuple(buckets), attn_quant=attn_quant, kv_slots=kv_slots,
+                decode_batches=tuple(decode_batches), kv_quant=kv_quant)
     with init_empty_weights(include_buffers=True):
         model = RecipeModel(text_config, plan)
     states = set(model.state_names)
@@ -999,16 +1171,73 @@ def residency(
     # Not resident, but what a call of the largest bucket B needs at once on top (an estimate, the compiler may
     # tile it): the gathered f32 logits [B, V] and one global layer's f32 scores [heads, B, slots].
     b = max(plan.buckets)
-    global_slots = plan.ring_slots(None) if contract == "v2" else max_total
+    global_slots = plan.ring_slots(None) if plan.ringed else max_total
     sizes["prefill_scratch_estimate"] = 4 * b * (text_config.vocab_size + text_config.num_attention_heads * global_slots)
+    if contract == "v3":
+        # A decode step of the largest batch gathers its rows' slots of one layer at a time ([B, kvh, R, D], K and
+        # V; the compiler may stream it instead) and returns f32 logits [B, V].
+        rows = max(plan.decode_batches)
+        per_slot_layer = max(t.numel() * t.element_size() for t in model.state_tensors()) // plan.kv_slots
+        per_slot_layer = per_slot_layer * (torch.finfo(dtype).bits // 8 if plan.kv_int8 else 1)  # read back widened
+        sizes["decode_scratch_estimate"] = rows * (2 * per_slot_layer + 4 * text_config.vocab_size)
     return sizes
 
 
+# What a v3 build may hold per NeuronCore: 15 GB of its 16, the rest left to the runtime and the compiler's own buffers.
+CORE_BUDGET_BYTES = 15 * 10**9
+SLOT_TABLE_SLOTS = (1, 2, 3, 4, 6, 8)
+SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768)
+
+
+def fits_core(sizes: Mapping[str, int]) -> bool:
+    """Resident bytes plus the larger of the two scratch estimates (a call is a prefill or a decode) within budget."""
+    scratch = max(sizes.get("prefill_scratch_estimate", 0), sizes.get("decode_scratch_estimate", 0))
+    return sizes["total"] + scratch <= CORE_BUDGET_BYTES
+
+
+def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decode_batches: tuple[int, ...] = (1, 2, 4),
+               slots: Iterable[int] = SLOT_TABLE_SLOTS, max_totals: Iterable[int] = SLOT_TABLE_MAX_TOTAL,
+               kv_quant: str = "none") -> dict:
+    """Per attention mode and MAX: per-rank bytes (resident + scratch) of each slot count, and the most slots that fit."""
+    table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
+                   "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets), "rows": []}
+    for attn_quant in QUANT_MODES:
+        for max_total in max_totals:
+            row = {"attn_quant": attn_quant, "max_total": max_total, "bytes": {}, "max_slots": 0}
+            for s in slots:
+                batches = tuple(b for b in decode_batches if b <= s)
+                sizes = residency(text_config, tp, quant, max_total, contract="v3", buckets=buckets,
+                                  attn_quant=attn_quant, kv_slots=s, decode_batches=batches, kv_quant=kv_quant)
+                row["bytes"][str(s)] = sizes["total"] + max(sizes["prefill_scratch_estimate"],
+                                                            sizes["decode_scratch_estimate"])
+                if fits_core(sizes):
+                    row["max_slots"] = s
+            table["rows"].append(row)
+    return table
+
+
+def print_slot_table(table: Mapping, as_json: bool) -> None:
+    slots = list(table["rows"][0]["bytes"])
+    print(f"PROJECTION: per-rank GB (resident + scratch) by KV slots, tp={table['tp']}, quant={table['quant']}, "
+          f"kv-quant={table['kv_quant']}, "
+          f"buckets {table['prefill_buckets']}; fits = within {table['budget_bytes'] / 1e9:.0f} GB of the core's 16")
+    print(f"  {'attention':<9} {'MAX':>6} " + " ".join(f"{s + ' slots':>9}" for s in slots) + "  most that fit")
+    for row in table["rows"]:
+        cells = " ".join(f"{row['bytes'][s] / 1e9:9.2f}" for s in slots)
+        print(f"  {row['attn_quant']:<9} {row['max_total']:>6} {cells}  {row['max_slots']}")
+    if as_json:
+        print(json.dumps(table))
+
+
 def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: int, as_json: bool,
-                    contract: str = "v1") -> None:
-    print(f"per-rank device residency (contract {contract}, tp={tp}, quant={quant}, MAX={max_total}, bf16 compute)")
-    for comp in (*COMPONENTS, "total", "prefill_scratch_estimate"):
-        print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
+                    contract: str = "v1", extra: str = "") -> None:
+    print(f"per-rank device residency (contract {contract}, tp={tp}, quant={quant}, MAX={max_total}{extra}, "
+          "bf16 compute)")
+    for comp in (*COMPONENTS, "total", "prefill_scratch_estimate", "decode_scratch_estimate"):
+        if comp in sizes:
+            print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
+    verdict = "fits" if fits_core(sizes) else "does NOT fit"
+    print(f"  resident + the larger scratch {verdict} in {CORE_BUDGET_BYTES / 1e9:.0f} GB per core")
     if as_json:
         print(json.dumps({k: int(v) for k, v in sizes.items()}))
 
@@ -1049,11 +1278,15 @@ def check_lowering(cfg, plan: Plan) -> dict:
         return {n: met.counter_value(n) or 0 for n in met.counter_names()}
 
     graphs = []
-    for key, t, _ in graph_keys(plan):
+    last_slot = plan.kv_slots - 1
+    for key, t, _, batch in graph_keys(plan):
         calls = []
-        # First call at 0, second at the far end of the context (the ring has wrapped there).
-        for start in (0 if t > 1 else min(plan.buckets), plan.max_total - t):
-            inputs = [x.to(device) for x in example_inputs(cfg, t, start, plan.max_total, plan.contract)]
+        # First call at 0, second at the far end of the context (the ring has wrapped there); v3 moves the rows to
+        # other slots too (the second call's slots counted down from the last one).
+        for start, slots in ((0 if t > 1 else min(plan.buckets), list(range(batch))),
+                             (plan.max_total - t, [last_slot - r for r in range(batch)])):
+            example = example_inputs(cfg, t, start, plan.max_total, plan.contract, batch, slots)
+            inputs = [x.to(device) for x in example]
             before = counters()
             out = model(*inputs)
             for state, new in zip(model.state_tensors(), out[1:], strict=True):
@@ -1065,6 +1298,8 @@ def check_lowering(cfg, plan: Plan) -> dict:
             delta = {n: v - before.get(n, 0) for n, v in after.items() if v != before.get(n, 0)}
             calls.append({
                 "start": start,
+                "positions": example[1][:, 0].tolist(),
+                **({"slots": slots} if plan.contract == "v3" else {}),
                 "compilations": delta.get("UncachedCompile", 0),
                 "aten_fallbacks": {n: v for n, v in delta.items() if n.startswith("aten::")},
                 "finite_logits": finite,
@@ -1075,9 +1310,13 @@ def check_lowering(cfg, plan: Plan) -> dict:
             and calls[1]["compilations"] == 0
             and all(c["finite_logits"] for c in calls)
         )
-        graphs.append({"graph": key, "T": t, "calls": calls, "pass": ok})
+        experts = decode_experts(plan, cfg)[batch] if plan.contract == "v3" and t == 1 else None
+        graphs.append({"graph": key, "T": t, "B": batch, **({"experts": experts} if experts else {}),
+                       "calls": calls, "pass": ok})
     return {
         "contract": plan.contract,
+        **({"kv_slots": plan.kv_slots, "decode_batches": list(plan.decode_batches), "kv_quant": plan.kv_quant}
+           if plan.contract == "v3" else {}),
         "max_total": plan.max_total,
         "prefill_buckets": list(plan.buckets),
         "tp": plan.tp,
@@ -1096,12 +1335,16 @@ def print_lowering(report: Mapping, as_json: bool) -> None:
           f" buckets {report['prefill_buckets']}, tp={report['tp']} rank-local, quant={report['quant']},"
           f" experts={report['experts']}, attn-quant={report['attn_quant']}): "
           f"{LOWERING_NOTE}")
-    print(f"  {'graph':<14} {'T':>5} {'compiles 1st/2nd':>17}  aten:: fallbacks")
+    if "kv_slots" in report:
+        print(f"  {report['kv_slots']} KV slots, decode batches {report['decode_batches']}, kv-quant {report['kv_quant']}")
+    print(f"  {'graph':<14} {'B':>3} {'T':>5} {'compiles 1st/2nd':>17}  aten:: fallbacks")
     for g in report["graphs"]:
         first, second = g["calls"]
         fallbacks = {k: v for c in g["calls"] for k, v in c["aten_fallbacks"].items()} or "none"
         verdict = "ok" if g["pass"] else "FAIL"
-        print(f"  {g['graph']:<14} {g['T']:>5} {first['compilations']:>8}/{second['compilations']:<8}  {fallbacks}  {verdict}")
+        experts = f"  experts {g['experts']}" if "experts" in g else ""
+        print(f"  {g['graph']:<14} {g['B']:>3} {g['T']:>5} {first['compilations']:>8}/{second['compilations']:<8}  "
+              f"{fallbacks}  {verdict}{experts}")
     print("PASS" if report["pass"] else "FAIL")
     if as_json:
         print(json.dumps(report))
@@ -1153,7 +1396,8 @@ def selective_token_limit(cfg, tp: int, quant: str, dtype: torch.dtype = torch.b
 
 def bytes_read_per_token(model: RecipeModel, tokens: int = 1) -> dict[str, int]:
     """Device bytes one rank reads for one graph call of ``tokens`` tokens, per component (weights + KV: v1's blend
-    reads and writes every slot, v2's rings are read once by attention)."""
+    reads and writes every slot, v2's rings are read once by attention; a v3 decode step of ``tokens`` rows reads
+    those rows' slots, tokens / S of the cache)."""
     states = set(model.state_names)
     sizes = dict.fromkeys(COMPONENTS, 0)
     for prefix, module in model.named_modules():
@@ -1166,6 +1410,8 @@ def bytes_read_per_token(model: RecipeModel, tokens: int = 1) -> dict[str, int]:
                 nbytes = nbytes * tokens * module.top_k // module.num_experts  # N*K gathered expert slices
             if component == "kv_cache" and model.plan.contract == "v1":
                 nbytes *= V1_KV_PASSES  # v2 writes O(T) slots by index: attention's one read is what counts
+            elif component == "kv_cache" and model.plan.contract == "v3":
+                nbytes = nbytes * tokens // model.plan.kv_slots  # each decode row reads its own slot's rings
             sizes[component] += nbytes
     sizes["total"] = sum(sizes[c] for c in COMPONENTS)
     return sizes
@@ -1212,17 +1458,21 @@ def tp_split_comparison(cfg, tp: int, quant: str, dtype: torch.dtype = torch.bfl
 
 
 def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, bucket: int, contract: str = "v1",
-             buckets: tuple[int, ...] | None = None) -> dict:
-    """Per-rank bytes per decoded token by component, dense and selective, and the decode rates they project to."""
+             buckets: tuple[int, ...] | None = None, kv_slots: int = 1, decode_batches: tuple[int, ...] = (1,),
+             kv_quant: str = "none") -> dict:
+    """Per-rank bytes per decoded token by component, dense and selective, and the decode rates they project to;
+    for v3 also per decode batch size: the bytes of one step over B rows and its per-stream and aggregate rate."""
     buckets = buckets or (bucket,)
 
     def model_for(**overrides) -> RecipeModel:
         fields = dict(tp=tp, quant=quant, attn_quant=attn_quant, experts="dense", max_total=max_total,
-                      contract=contract, buckets=buckets) | overrides
+                      contract=contract, buckets=buckets, kv_slots=kv_slots, decode_batches=decode_batches,
+                      kv_quant=kv_quant) | overrides
         return build_model(text_config, Plan(dtype=torch.bfloat16, kv_as_params=True, inplace_kv=False, **fields),
                            device="meta")
 
-    published_bytes = bytes_read_per_token(model_for(**PUBLISHED_PLAN))["total"] * PUBLISHED_PLAN["tp"]
+    published = model_for(**PUBLISHED_PLAN, kv_slots=1, decode_batches=(1,), kv_quant="none")
+    published_bytes = bytes_read_per_token(published)["total"] * PUBLISHED_PLAN["tp"]
     efficiency = PUBLISHED_TOK_S * published_bytes / CHIP_HBM_BYTES_PER_S
 
     def variant(experts: str) -> dict:
@@ -1237,6 +1487,21 @@ def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, 
         }
 
     limit = selective_token_limit(text_config, tp, quant)
+    batched = {}
+    if contract == "v3":
+        # One step over B rows: attention, shared MLP, lm_head and the rest read once for all rows; the routed
+        # experts (B * K gathered slices while B <= the selective limit, all E above) and the B rows' KV grow with B.
+        selective = model_for(experts="selective")
+        for b in decode_batches:
+            sizes = bytes_read_per_token(selective, tokens=b)
+            step_s = sizes["total"] * tp / CHIP_HBM_BYTES_PER_S
+            batched[str(b)] = {
+                "bytes_per_rank": sizes,
+                "experts_path": "selective" if b <= limit else "dense",
+                "at_820_gib_s": {"tok_s_per_stream": round(1 / step_s, 2), "tok_s_aggregate": round(b / step_s, 2)},
+                "at_published_efficiency": {"tok_s_per_stream": round(efficiency / step_s, 2),
+                                            "tok_s_aggregate": round(b * efficiency / step_s, 2)},
+            }
     return {
         "kind": "projection (roofline from the config; not a measurement)",
         "tp": tp,
@@ -1245,8 +1510,9 @@ def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, 
         "max_total": max_total,
         "kv_model": (f"v1 contract at MAX={max_total}: every slot read and written by the blend, read by attention"
                      if contract == "v1" else
-                     f"v2 contract at MAX={max_total}: sliding rings of window + {max(buckets)} slots and global "
-                     f"layers' MAX + {max(buckets)}, read once by attention, written by index"),
+                     f"{contract} contract at MAX={max_total}: sliding rings of window + {max(buckets)} slots and global "
+                     f"layers' MAX + {max(buckets)}, read once by attention, written by index"
+                     + (f"; {kv_slots} KV slots, a decode row reads its own" if contract == "v3" else "")),
         "chip": {"hbm_bytes_per_s": CHIP_HBM_BYTES_PER_S, "bf16_flops": CHIP_BF16_FLOPS},
         "published": {"tok_s_measured": PUBLISHED_TOK_S, "plan": PUBLISHED_PLAN,
                       "bytes_per_token_chip": published_bytes, "efficiency": round(efficiency, 4)},
@@ -1256,6 +1522,7 @@ def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, 
         "prefill_bucket": bucket,
         "prefill_experts": "selective" if bucket <= limit else "dense",
         "tp_split": tp_split_comparison(text_config, tp, quant),
+        **({"kv_slots": kv_slots, "decode_batches": batched} if contract == "v3" else {}),
     }
 
 
@@ -1281,6 +1548,15 @@ def print_roofline(report: Mapping, as_json: bool) -> None:
         if isinstance(row, dict):
             print(f"  tp split {name:<24} experts/rank/token worst {row['worst'] / gb:.3f} GB, "
                   f"expected {row['expected'] / gb:.3f} GB")
+    if "decode_batches" in report:
+        print(f"  batched decode over {report['kv_slots']} KV slots (PROJECTION): one step of B rows")
+        print(f"  {'B':>3} {'experts':>9} {'GB/rank/step':>13} {'per stream':>11} {'aggregate':>10} "
+              f"{'per stream':>11} {'aggregate':>10}   tok/s: at 820 GiB/s | at the published efficiency")
+        for b, row in report["decode_batches"].items():
+            peak, pub = row["at_820_gib_s"], row["at_published_efficiency"]
+            print(f"  {b:>3} {row['experts_path']:>9} {row['bytes_per_rank']['total'] / gb:13.3f} "
+                  f"{peak['tok_s_per_stream']:11.1f} {peak['tok_s_aggregate']:10.1f} "
+                  f"{pub['tok_s_per_stream']:11.1f} {pub['tok_s_aggregate']:10.1f}")
     if as_json:
         print(json.dumps(report))
 
@@ -1398,6 +1674,102 @@ def bench_experts(
     }
 
 
+def keep_freed_memory() -> str:
+    """glibc returns blocks of 32 MB and more to the OS on free, so a graph whose temporaries pass that size (the
+    int8 lm_head widened per call, a 4-row expert gather) pays fresh page faults on every call, in proportion to the
+    bytes, whatever the rows. A caching allocator (jemalloc, tcmalloc: PyTorch's CPU inference advice) keeps them;
+    raising glibc's mmap and trim thresholds does the same in-process. Returns what was set, for the report."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return "default (no libc found)"
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
+    return "glibc mmap and trim thresholds 1 GiB (freed temporaries reused)" if ok else "default (mallopt refused)"
+
+
+def bench_batched(quant: str, steps: int, batches: tuple[int, ...] = (1, 2, 4), max_total: int = 512, bucket: int = 64,
+                  seed: int = 0, config: Mapping = BENCH_EXPERTS_CONFIG) -> dict:
+    """One v3 trace (selective experts, S = max(batches) slots), every slot prefilled; then each timed step decodes the
+    same rows as one call of every batch size (B = 4: slots 0..3; B = 2: slots 0, 1; B = 1: each slot alone), on the
+    same inputs at the same positions, so a shared machine's load hits every size alike and every row's logits can
+    be compared with its B = 1 run. The batch sizes run in turn within a step; medians are reported.
+    """
+    import statistics
+    import time
+
+    allocator = keep_freed_memory()
+    cfg = text_config_from_dict(config)
+    slots = max(batches)
+    plan = Plan(quant=quant, max_total=max_total, experts="selective", contract="v3", buckets=(bucket,),
+                kv_slots=slots, decode_batches=tuple(batches))
+    model = build_model(cfg, plan)
+    randomize(model, seed)
+    graph = trace_cpu(model, cfg, bucket)
+    gen = torch.Generator().manual_seed(seed + 1)
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    worst = {b: 0.0 for b in batches}
+    with torch.no_grad():
+        for slot in range(slots):
+            prompt = torch.randn(1, bucket, cfg.hidden_size, generator=gen)  # [1, bucket, H]
+            graph(prompt, torch.arange(bucket)[None], torch.tensor([slot]))
+        for step in range(steps + 2):  # the first two steps warm up (allocator, first-call paths) and are not timed
+            embeds = torch.randn(slots, 1, cfg.hidden_size, generator=gen)  # [S, 1, H]: one new token per slot
+            positions = torch.full((slots, 1), bucket + step, dtype=torch.int64)  # [S, 1]
+            logits: dict[int, torch.Tensor] = {}
+            for b in sorted(batches, reverse=True):
+                # B = 1 runs every slot alone (the reference rows); a larger B runs slots 0..B-1 in one call.
+                runs = [list(range(b))] if b > 1 else [[r] for r in range(slots)]
+                rows = []
+                for ids in runs:
+                    start = time.perf_counter()
+                    out = graph(embeds[ids], positions[ids], torch.tensor(ids))[0]  # [B, 1, V]
+                    elapsed = time.perf_counter() - start
+                    if step >= 2 and (b > 1 or ids == [0]):
+                        times[b].append(elapsed)
+                    rows.append(out[:, 0])
+                logits[b] = torch.cat(rows)  # [B or S, V]
+            for b in batches:  # B = 1 is the reference itself (0 by construction)
+                worst[b] = max(worst[b], float((logits[b][:b] - logits[1][:b]).abs().max()))
+    medians = {b: statistics.median(times[b]) for b in batches}
+    return {
+        "kind": "measurement (CPU, this machine; decode steps of one CPU-traced v3 graph)",
+        "allocator": allocator,
+        "config": {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                          "num_experts", "top_k_experts", "moe_intermediate_size")},
+        "quant": quant,
+        "max_total": max_total,
+        "kv_slots": slots,
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "decode_experts": {str(b): path for b, path in decode_experts(plan, cfg).items()},
+        "batches": {str(b): {"step_ms": round(1e3 * medians[b], 2),
+                             "tok_s_per_stream": round(1 / medians[b], 2),
+                             "tok_s_aggregate": round(b / medians[b], 2),
+                             "max_abs_logit_diff_vs_b1": worst[b]} for b in batches},
+        "aggregate_speedup_vs_b1": {str(b): round(b * medians[1] / medians[b], 2) for b in batches},
+    }
+
+
+def print_bench_batched(result: Mapping, as_json: bool) -> None:
+    c = result["config"]
+    print(f"MEASURED on this CPU ({result['threads']} threads), batched decode of one traced v3 graph "
+          f"({result['kv_slots']} KV slots), quant={result['quant']}: vocab {c['vocab_size']}, hidden "
+          f"{c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_experts']} experts of "
+          f"{c['moe_intermediate_size']}, top-{c['top_k_experts']}")
+    print(f"  {'B':>3} {'experts':>9} {'ms/step':>9} {'tok/s/stream':>13} {'tok/s aggregate':>16} {'vs B=1':>7} "
+          f"{'max |logit - B=1|':>18}")
+    for b, row in result["batches"].items():
+        print(f"  {b:>3} {result['decode_experts'][b]:>9} {row['step_ms']:9.2f} {row['tok_s_per_stream']:13.2f} "
+              f"{row['tok_s_aggregate']:16.2f} {result['aggregate_speedup_vs_b1'][b]:6.2f}x "
+              f"{row['max_abs_logit_diff_vs_b1']:18.2e}")
+    if as_json:
+        print(json.dumps(result))
+
+
 def print_bench_experts(result: Mapping, as_json: bool) -> None:
     c = result["config"]
     print(f"MEASURED on this CPU ({result['threads']} threads), decode step of the traced graph, quant={result['quant']}: "
@@ -1438,7 +1810,10 @@ def write_graph_json(
     weight_files: list[str] | None = None,
 ) -> dict:
     """graph.json: v1's record as published; v2 adds every shape the host needs (see CONTRACT_V2)."""
-    if plan is None or plan.contract == "v1":
+    if plan is not None and plan.contract == "v3":
+        record = v3_record(cfg, plan, max_total=max_total, tp=tp, graph_file=graph_file, quant=quant,
+                           weight_files=weight_files)
+    elif plan is None or plan.contract == "v1":
         record = {
             "contract": CONTRACT,
             "max_total": max_total,
@@ -1471,6 +1846,46 @@ def write_graph_json(
         }
     (out / "graph.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def v3_record(cfg, plan: Plan, *, max_total: int, tp: int, graph_file: str, quant: str,
+              weight_files: list[str] | None) -> dict:
+    """graph.json of a v3 build: v2's record with S KV slots and the decode graphs. Every shape the host sends or
+    the device holds is declared: the inputs per graph kind, each layer kind's rank-local cache [S, kvh, R, D]."""
+    window = int(cfg.sliding_window)
+    template = build_model(cfg, plan, device="meta")
+    caches = {}
+    for idx, layer_type in enumerate(template.layer_types):
+        caches.setdefault(layer_type, list(template.layers[idx].self_attn.k_cache.shape))
+    h, v = int(cfg.hidden_size), int(cfg.vocab_size)
+    return {
+        "contract": CONTRACT_V3,
+        "max_total": max_total,
+        "prefill_buckets": sorted(plan.buckets),
+        "prefill_bucket": max(plan.buckets),
+        "kv_slots": plan.kv_slots,
+        "decode_batches": list(plan.decode_batches),
+        "input_dtype": "float32",
+        "inputs": {"inputs_embeds": ["float32", ["B", "T", h]], "position_ids": ["int64", ["B", "T"]],
+                   "slot_ids": ["int64", ["B"]]},
+        "outputs": {"logits": ["float32", ["B", "T", v]]},
+        "graphs": {"prefill": {"B": [1], "T": sorted(plan.buckets)}, "decode": {"B": list(plan.decode_batches), "T": [1]}},
+        "decode_experts": {str(b): path for b, path in decode_experts(plan, cfg).items()},
+        "tp": tp,
+        "softcap_in_graph": False,
+        "sliding_window": window,
+        "ring_slots": {"sliding_attention": plan.ring_slots(window), "full_attention": plan.ring_slots(None)},
+        "kv_quant": plan.kv_quant,
+        "kv_cache": {"layout": "[slot, kv_heads_per_rank, ring, head_dim], K and V per layer"
+                     + (" (int8, with f32 scales [slot, kv_heads_per_rank, ring, 1])" if plan.kv_int8 else ""),
+                     **caches},
+        "pad_rows": "spare rows of a decode batch (B rounded up to a compiled size) write zeros into a real row's "
+                    "own slot, ahead of its position, where its next call writes before any query reads",
+        "graph_file": graph_file,
+        "quant": quant,
+        "weights": "separate" if weight_files else "inside",
+        "weight_files": list(weight_files or []),
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1519,6 +1934,29 @@ class ContractDispatchV2(nn.Module):
         raise RuntimeError("no graph for this input shape: T must be 1 (decode) or one of the prefill buckets")
 
 
+class ContractDispatchV3(nn.Module):
+    """v3 routing by (B, T): T == 1 and B a decode batch -> decode (the selective or the dense trace, by B), B == 1
+    and T a bucket -> prefill into the slot named by slot_ids, else an error."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], decode_batches: list[int], selective_rows: int) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.decode_batches = decode_batches
+        self.selective_rows = selective_rows  # decode batches up to this many rows hold the selective experts path
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, slot_ids: torch.Tensor):
+        b = inputs_embeds.size(0)
+        t = inputs_embeds.size(1)
+        if t == 1 and b in self.decode_batches:
+            if b <= self.selective_rows:
+                return self.core.decode(inputs_embeds, position_ids, slot_ids)
+            return self.core.decode_dense(inputs_embeds, position_ids, slot_ids)
+        if b == 1 and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, slot_ids)
+        raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
+
+
 def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     """prefill and decode (T=1) traced into one module over one set of KV buffers.
 
@@ -1526,11 +1964,20 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     traced ops take their sizes from the inputs (tests/test_recipe_v2.py runs each bucket against the eager module).
     """
     max_total, contract = model.plan.max_total, model.plan.contract
-    first = min(model.plan.buckets) if contract == "v2" else bucket
+    first = min(model.plan.buckets) if model.plan.ringed else bucket
     inputs = {
         "prefill": example_inputs(cfg, first, 0, max_total, contract),
         "decode": example_inputs(cfg, 1, first, max_total, contract),
     }
+    if contract == "v3":
+        # v3: as v2's prefill, one decode trace serves every batch size (shapes come from the inputs), except that the
+        # experts path is frozen by the traced batch: decode is traced at the smallest batch, decode_dense at the
+        # smallest one past the selective limit (if none is, it is never called and traced at the smallest too).
+        paths = decode_experts(model.plan, cfg)
+        selective = [b for b, path in paths.items() if path == "selective"]
+        dense = [b for b, path in paths.items() if path == "dense"] or [min(paths)]
+        inputs["decode"] = example_inputs(cfg, 1, first, max_total, contract, batch=min(selective or dense))
+        inputs["decode_dense"] = example_inputs(cfg, 1, first, max_total, contract, batch=min(dense))
     # TorchScript is the contract (torch.jit.load on the server, as for Neuron's ModelBuilder output), so its
     # deprecation notices in recent torch are noise here.
     with torch.no_grad(), warnings.catch_warnings():
@@ -1541,6 +1988,10 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
             if name in set(model.state_names):
                 buf.zero_()  # tracing ran the graphs once; ship empty caches
         model.reset_states()
+        if contract == "v3":
+            rows = max(selective) if selective else 0
+            return torch.jit.script(ContractDispatchV3(traced, sorted(model.plan.buckets),
+                                                       list(model.plan.decode_batches), rows))
         if contract == "v2":
             return torch.jit.script(ContractDispatchV2(traced, sorted(model.plan.buckets)))
         return torch.jit.script(ContractDispatch(traced, bucket))
@@ -1575,7 +2026,8 @@ def write_rank_weights(out: Path, model: RecipeModel, full: Mapping[str, torch.T
 
 def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
     values: dict = dict(tp=args.tp, quant=args.quant, max_total=args.max_total, contract=args.contract,
-                        buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant)
+                        buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant,
+                        kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant)
     values.update(overrides)
     return Plan(**values)
 
@@ -1753,11 +2205,11 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         checkpoint_loader=checkpoint_loader,
         compiler_workdir=str(workdir),
     )
-    for key, t, start in graph_keys(plan):
+    for key, t, start, batch in graph_keys(plan):
         builder.add(
             key=key,
             model_instance=Instance(),
-            example_inputs=[example_inputs(cfg, t, start, args.max_total, plan.contract)],
+            example_inputs=[example_inputs(cfg, t, start, args.max_total, plan.contract, batch)],
             compiler_args=args.compiler_args,  # None: NxD's defaults, on purpose (see NEURON_NOTES' comment)
         )
     separate = args.weights == "separate"
@@ -1813,7 +2265,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="artifact directory to write")
     p.add_argument("--target", choices=("neuron", "cpu"), default="neuron")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--contract", choices=("v1", "v2"), default="v1", help="graph contract (see the module doc)")
+    p.add_argument("--contract", choices=("v1", "v2", "v3"), default="v1", help="graph contract (see the module doc)")
+    p.add_argument("--kv-slots", type=int, default=None,
+                   help="v3: independent KV caches (conversations) the graph keeps (default 4; v1/v2: 1)")
+    p.add_argument("--kv-quant", choices=QUANT_MODES, default="none",
+                   help="v3: int8 K/V with one f32 scale per (slot, head, position): about half the KV bytes")
+    p.add_argument("--decode-batches", type=bucket_list, default=None,
+                   help="v3: compiled decode batch sizes, e.g. 1,2,4 (default: 1,2,4 capped at --kv-slots)")
     p.add_argument("--max-total", type=int, default=512, help="KV slots (MAX): prompt + completion")
     p.add_argument("--prefill-bucket", type=int, default=128, help="prefill chunk length (one bucket)")
     p.add_argument("--prefill-buckets", type=bucket_list, default=None,
@@ -1835,37 +2293,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reports.add_argument("--check-lowering", action="store_true",
                          help="lower every graph on torch-xla (CPU PJRT) with random weights: aten:: fallbacks and "
                               "compilations per call. Necessary for neuronx-cc, not sufficient")
+    reports.add_argument("--slot-table", action="store_true",
+                         help="v3: per-rank bytes of 1..8 KV slots at MAX 2k..32k, bf16 and int8 attention, and the "
+                              "most slots that fit 15 GB of a core (a projection)")
     reports.add_argument("--roofline", action="store_true",
                          help="per-rank bytes read per decoded token, dense vs selective, and projected tok/s")
     reports.add_argument("--bench-experts", action="store_true",
                          help="measure the CPU-traced decode step, dense vs selective experts, on a 128-expert config")
-    reports.add_argument("--steps", type=int, default=16, help="with --bench-experts: timed decode steps per graph")
+    reports.add_argument("--bench-batched", action="store_true",
+                         help="measure batched decode (B = 1, 2, 4 rows per step) of one CPU-traced v3 graph on the "
+                              "128-expert config, and each row's logits against its B = 1 run")
+    reports.add_argument("--steps", type=int, default=16,
+                         help="with --bench-experts / --bench-batched: timed decode steps per graph")
     reports.add_argument("--threads", type=int, default=1,
                          help="with --bench-experts: torch CPU threads (1: steadiest on a shared machine)")
     reports.add_argument("--config", type=Path, help="config.json for the reports")
     reports.add_argument("--json", action="store_true", help="any report: its last line is one JSON object")
     args = p.parse_args(argv)
+    if args.contract == "v3":
+        args.kv_slots = 4 if args.kv_slots is None else args.kv_slots
+        if args.decode_batches is None:
+            args.decode_batches = [b for b in (1, 2, 4) if b <= args.kv_slots]
+    elif args.kv_slots not in (None, 1) or args.decode_batches not in (None, [1]):
+        p.error("--kv-slots and --decode-batches need --contract v3")
+    else:
+        args.kv_slots, args.decode_batches = 1, [1]
     if args.prefill_buckets is None:
         args.prefill_buckets = [args.prefill_bucket]
     else:
-        if args.contract != "v2" and len(args.prefill_buckets) > 1:
-            p.error("several --prefill-buckets need --contract v2 (v1 has one prefill graph)")
+        if args.contract == "v1" and len(args.prefill_buckets) > 1:
+            p.error("several --prefill-buckets need --contract v2 or v3 (v1 has one prefill graph)")
         args.prefill_bucket = max(args.prefill_buckets)
-    if args.weights == "separate" and args.contract != "v2":
-        p.error("--weights separate needs --contract v2")
+    if args.weights == "separate" and args.contract == "v1":
+        p.error("--weights separate needs --contract v2 or v3")
     if not (min(args.prefill_buckets) > 1 and max(args.prefill_buckets) <= args.max_total):
         p.error("need 1 < every prefill bucket <= --max-total")
     if args.experts is None:
-        args.experts = "selective" if args.contract == "v2" else "dense"
-    if args.residency and args.attn_quant != "none":
-        # (selective experts hold the same bytes as dense ones: only what a decode step reads differs)
-        p.error("--residency accounts bf16 attention only; --roofline covers --attn-quant")
-    if args.residency or args.check_lowering or args.roofline:
+        args.experts = "selective" if args.contract in ("v2", "v3") else "dense"
+    try:
+        check_slots(plan_from_args(args))
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.residency or args.check_lowering or args.roofline or args.slot_table:
         if args.config is None and args.checkpoint is None:
             p.error("reports need --config CONFIG_JSON (or --checkpoint DIR)")
         if args.config is None:
             args.config = args.checkpoint / "config.json"
-    elif args.bench_experts:
+    elif args.bench_experts or args.bench_batched:
         pass  # builds its own config
     elif args.checkpoint is None or args.out is None:
         p.error("--checkpoint and --out are required (or use a report: --residency, --check-lowering, --roofline)")
@@ -1877,8 +2351,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.residency:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         sizes = residency(cfg, args.tp, args.quant, args.max_total, contract=args.contract,
-                          buckets=tuple(args.prefill_buckets))
-        print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract)
+                          buckets=tuple(args.prefill_buckets), attn_quant=args.attn_quant, kv_slots=args.kv_slots,
+                          decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant)
+        extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots, kv-quant={args.kv_quant}"
+                                                     if args.contract == "v3" else "")
+        print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract, extra)
+        return 0
+    if args.slot_table:
+        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant),
+                         args.json)
         return 0
     if args.check_lowering:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
@@ -1888,8 +2370,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.roofline:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket,
-                          args.contract, tuple(args.prefill_buckets))
+                          args.contract, tuple(args.prefill_buckets), args.kv_slots, tuple(args.decode_batches),
+                          args.kv_quant)
         print_roofline(report, args.json)
+        return 0
+    if args.bench_batched:
+        torch.set_num_threads(args.threads)
+        print_bench_batched(bench_batched(args.quant, args.steps), args.json)
         return 0
     if args.bench_experts:
         torch.set_num_threads(args.threads)
