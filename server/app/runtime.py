@@ -72,7 +72,9 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     embedding = HostEmbedding.open(embed_file, structure.embed_scale, DTYPES[spec.input_dtype])
     protocol = protocol_of(tokenizer)
     stops = stop_ids(structure, tokenizer, protocol)
-    grammar = VocabLoader(functools.partial(GrammarVocab.from_tokenizer, tokenizer, structure.vocab_size, stops))
+    # Its token table is cached beside the other start-up caches, keyed by this tokenizer.json (see constraints.vocab).
+    grammar = VocabLoader(functools.partial(GrammarVocab.from_tokenizer, tokenizer, structure.vocab_size, stops,
+                                            cache_dir=cache_dir, source=art.cfg / "tokenizer.json"))
     return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar)
 
 
