@@ -15,7 +15,7 @@ import pytest
 from server.tools.bench.host import CONFIG_26B
 from tests.support.configs import GEMMA4_26B_A4B
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
-from tests.support.models import CACHE
+from tests.support.models import cache_root
 
 KEYS = {
     "host_overhead_ms_per_token_p50", "host_overhead_ms_per_token_p99",
@@ -31,7 +31,7 @@ KEYS = {
 def test_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "server", "bench", "--tokens", "24", "--json", str(out), "--cache-dir", str(CACHE)],
+        [sys.executable, "-m", "server", "bench", "--tokens", "24", "--json", str(out), "--cache-dir", str(cache_root())],
         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]

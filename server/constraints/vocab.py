@@ -89,18 +89,20 @@ class GrammarVocab:
         stops = list(dict.fromkeys(stop_ids))
         entry = None if cache_dir is None or source is None else _cache_entry(Path(cache_dir), Path(source), vocab_size)
         table = None if entry is None else _read_table(entry)
-        start = time.perf_counter()
+        from_cache, start = table is not None, time.perf_counter()
         if table is not None:
-            wrapper = llguidance.TokenizerWrapper(_TokenTable(*table, eos=stops[0], encode=backend.encode))
+            tokens, table = _TokenTable(*table, eos=stops[0], encode=backend.encode), None
+            wrapper = llguidance.TokenizerWrapper(tokens)
             built = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=stops)
-            wrapper.tokens = ()  # read by the build alone (~20 MB of bytes objects); the wrapper stays for tokenizing
+            # The bytes are read by the build alone (~30 MB of objects); both keep the table for tokenizing only.
+            wrapper.tokens = tokens.tokens = []
         else:
             built = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=stops)
             if entry is not None:
                 _write_table(entry, built)
         log.info("grammar vocabulary built in %.2f s from %s", time.perf_counter() - start,
-                 "the cached token table" if table is not None else "tokenizer.json")
-        return cls(built, backend.token_to_id, vocab_size, stops, limits, from_cache=table is not None)
+                 "the cached token table" if from_cache else "tokenizer.json")
+        return cls(built, backend.token_to_id, vocab_size, stops, limits, from_cache=from_cache)
 
     @property
     def mask_words(self) -> int:
