@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from server.constraints import vocab as vocab_module
 from server.constraints.constraint import (
     BannedIds,
     BannedTokens,
@@ -400,7 +401,12 @@ def test_the_vocabulary_from_its_cached_token_table_is_the_one_built_from_the_to
         else:
             raise AssertionError("no stop after 400 tokens")
 
-    entry.write_bytes(entry.read_bytes()[:-1])  # a torn entry (a full disk): passed over, then written whole again
+    whole = entry.read_bytes()
+    header = whole.index(b"\n", whole.index(b"\n") + 1) + 1
+    for torn in (whole[:header - 7], whole[:header + 4 * 1000 + 1], whole[:-1], whole + b"x"):  # mid-header, lengths, bytes
+        entry.write_bytes(torn)
+        assert vocab_module._read_table(entry) is None
+    # A torn entry (a full disk) is passed over, then written whole again.
     rebuilt = GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=tmp_path, source=source)
     assert not rebuilt.from_cache
     assert GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=tmp_path, source=source).from_cache

@@ -91,7 +91,7 @@ class GrammarVocab:
         table = None if entry is None else _read_table(entry)
         from_cache, start = table is not None, time.perf_counter()
         if table is not None:
-            tokens, table = _TokenTable(*table, eos=stops[0], encode=backend.encode), None
+            tokens, table = _TokenTable(*table, eos=stops[0] if stops else None, encode=backend.encode), None
             wrapper = llguidance.TokenizerWrapper(tokens)
             built = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=stops)
             # The bytes are read by the build alone (~30 MB of objects); both keep the table for tokenizing only.
@@ -162,7 +162,7 @@ _MAGIC = _CACHE_TAG.encode() + b"\n"
 class _TokenTable:
     """What `llguidance.TokenizerWrapper` reads: each token's bytes, the special ids, and a way to tokenize text."""
 
-    def __init__(self, tokens: list[bytes], special: list[int], *, eos: int, encode: Callable[..., Any]) -> None:
+    def __init__(self, tokens: list[bytes], special: list[int], *, eos: int | None, encode: Callable[..., Any]) -> None:
         self.tokens = tokens
         self.special_token_ids = special
         self.eos_token_id = eos  # overridden by the stop ids given to LLTokenizer
@@ -186,19 +186,19 @@ def _cache_entry(cache_dir: Path, source: Path, vocab_size: int) -> Path | None:
 def _read_table(entry: Path) -> tuple[list[bytes], list[int]] | None:
     """(each token's bytes, the special ids) from `entry`; None when it is missing or not a whole entry. Python work in
     small steps, so it never holds the GIL for long."""
+    lengths = array("I")  # 4-byte unsigned on every platform CPython runs on; checked below
     try:
         data = entry.read_bytes()
         header_end = data.index(b"\n", len(_MAGIC)) + 1
         header = json.loads(data[len(_MAGIC):header_end])
         count, special = int(header["tokens"]), [int(token) for token in header["special"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        lengths.frombytes(data[header_end : header_end + 4 * count])
+    except (OSError, ValueError, KeyError, TypeError):  # missing, or torn mid-header (ValueError: not whole lengths)
         return None
-    lengths = array("I")
-    if not data.startswith(_MAGIC) or lengths.itemsize != 4:
-        return None
-    lengths.frombytes(data[header_end : header_end + 4 * count])
     ends = list(itertools.accumulate(lengths, initial=header_end + 4 * count))
-    if len(lengths) != count or ends[-1] != len(data):
+    if not data.startswith(_MAGIC) or lengths.itemsize != 4 or len(lengths) != count or ends[-1] != len(data):
+        return None
+    if not all(0 <= token < count for token in special):  # llguidance would panic (a BaseException) on these
         return None
     return [data[begin:end] for begin, end in itertools.pairwise(ends)], special
 
