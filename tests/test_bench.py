@@ -24,6 +24,9 @@ KEYS = {
     "ready_s_without_graph", "rss_mb_ready", "prefill_calls_turn3", "prefill_calls_turn3_no_reuse",
     "host_cpu_ms_per_token", "ready_s_without_graph_first_start", "device_step_ms_measured",
     "floor_ms_call_and_logits_pass_hot", "floor_ms_call_and_logits_pass_after_idle",
+    # The grammar vocabulary (issue 22): built with the server, from its cached token table on a later start.
+    "constraint_vocab_build_s", "constraint_vocab_build_s_cached", "first_constrained_ms_after_ready",
+    "rss_mb_grammar_built",
 }
 
 

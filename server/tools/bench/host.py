@@ -366,6 +366,10 @@ def run_bench(cache_root: Path, *, json_path: Path | None = None, tokens: int = 
     from server.app.runtime import load_host
 
     host = load_host(root, "null", cache_dir=cache_root)  # once, for the in-process parts (each server loads its own)
+    # As the served host path runs (server.app.process.single_threaded_torch): with torch's 2 intra-op threads, each
+    # small op over the logits stalls for milliseconds whenever the other core is busy (a sampler median of 8-12 ms
+    # measured here under load, against 0.05 ms), which is the neighbours' load, not this code's cost.
+    torch.set_num_threads(1)
     results.update(measure_sampling())
     from server.tools.bench.constraints import measure_constraints
 
