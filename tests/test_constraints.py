@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from server.constraints import vocab as vocab_module
 from server.constraints.constraint import (
     BannedIds,
     BannedTokens,
@@ -359,3 +360,60 @@ def test_constraints_know_no_model_family() -> None:
             "server.constraints.vocab; loaded = [m for m in sys.modules if m.startswith('server.protocol')]; "
             "assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------- the vocabulary's cached token table
+
+
+def test_the_vocabulary_from_its_cached_token_table_is_the_one_built_from_the_tokenizer(vocab, tokenizer, closers,
+                                                                                        tmp_path) -> None:
+    """A later start builds from the table the first start wrote (issue 22): the same tokens, specials, stops and
+    masks, token for token, as the build from tokenizer.json."""
+    source = gemma4_cfg_dir() / "tokenizer.json"
+    first = GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=tmp_path, source=source)
+    assert not first.from_cache
+    [entry] = tmp_path.glob("grammar-vocab-v1-*.bin")  # only the entry: no partial file left behind
+    cached = GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=tmp_path, source=source)
+    assert cached.from_cache
+    ours, theirs = vocab.tokenizer, cached.tokenizer
+    assert theirs.vocab_size == ours.vocab_size and theirs.eos_tokens == ours.eos_tokens
+    assert all(theirs.decode_bytes([t]) == ours.decode_bytes([t]) and theirs.is_special_token(t) == ours.is_special_token(t)
+               for t in range(V))
+    text = 'Hi <|tool_call>call:x{a:<|"|>b<|"|>}<tool_call|> ünï 😀'
+    assert theirs.tokenize_str(text, parse_special=True) == ours.tokenize_str(text, parse_special=True)
+
+    requests = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
+                {"response_format": {"type": "json_object"}}, {"tools": [WEATHER, CLOCK], "tool_choice": "required"}]
+    for seed, request in enumerate(requests):
+        a, b = build_constraint(vocab, **request), build_constraint(cached, **request)
+        mask_a, mask_b = np.zeros((V + 31) // 32, dtype=np.int32), np.zeros((V + 31) // 32, dtype=np.int32)
+        rng = random.Random(seed)
+        for _ in range(400):
+            a.fill_mask(mask_a)
+            b.fill_mask(mask_b)
+            assert np.array_equal(mask_a, mask_b)
+            allowed = allowed_ids(mask_a, V)
+            favoured = [t for t in closers if mask_a[t >> 5] >> (t & 31) & 1]
+            token = int(rng.choice(favoured) if favoured and rng.random() < 0.3 else rng.choice(allowed))
+            if token in STOP_IDS:
+                break
+            assert a.accept(token) and b.accept(token)
+        else:
+            raise AssertionError("no stop after 400 tokens")
+
+    whole = entry.read_bytes()
+    header = whole.index(b"\n", whole.index(b"\n") + 1) + 1
+    for torn in (whole[:header - 7], whole[:header + 4 * 1000 + 1], whole[:-1], whole + b"x"):  # mid-header, lengths, bytes
+        entry.write_bytes(torn)
+        assert vocab_module._read_table(entry) is None
+    # A torn entry (a full disk) is passed over, then written whole again.
+    rebuilt = GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=tmp_path, source=source)
+    assert not rebuilt.from_cache
+    assert GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=tmp_path, source=source).from_cache
+
+
+def test_a_vocabulary_cache_that_cannot_be_written_costs_only_time(tokenizer, tmp_path) -> None:
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory should be")
+    vocab = GrammarVocab.from_tokenizer(tokenizer, V, STOP_IDS, cache_dir=blocked, source=gemma4_cfg_dir() / "tokenizer.json")
+    assert not vocab.from_cache and vocab.tokenizer.vocab_size == V

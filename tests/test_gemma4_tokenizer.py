@@ -11,7 +11,8 @@ import pytest
 
 from server.model.tokenizer import HostTokenizer
 from server.protocol import Gemma4Protocol, PlainProtocol, collect, detect_protocol
-from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir, source_tokenizer_json
+from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS, gemma4_cfg_dir
+from tests.support.models import gemma_tokenizer_json
 
 Q = '<|"|>'
 TOOLS = [{"type": "function", "function": {
@@ -54,14 +55,14 @@ def test_markers_are_single_tokens_inside_the_logits(tokenizer: HostTokenizer, c
     assert json.loads((cfg / "generation_config.json").read_text())["eos_token_id"] == list(STOP_IDS)
     assert [tokenizer.convert_ids_to_tokens(i) for i in STOP_IDS] == ["<eos>", "<turn|>", "<|tool_response>"]
     # Ordinary text tokenizes as in the original tokenizer.
-    original = HostTokenizer.from_dir(source_tokenizer_json().parent)
+    original = HostTokenizer.from_dir(gemma_tokenizer_json().parent)
     sample = "Weather in Paris? 15 °C, {\"a\": [1, 2]}"
     assert tokenizer.encode(sample) == original.encode(sample)
 
 
 def test_family_detection(tokenizer: HostTokenizer) -> None:
     assert isinstance(detect_protocol(tokenizer.get_vocab()), Gemma4Protocol)
-    original = HostTokenizer.from_dir(source_tokenizer_json().parent)
+    original = HostTokenizer.from_dir(gemma_tokenizer_json().parent)
     assert isinstance(detect_protocol(original.get_vocab()), PlainProtocol)
 
 

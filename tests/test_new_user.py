@@ -25,7 +25,7 @@ import pytest
 
 from server.__main__ import build_parser, main
 from tests.support.api_fixtures import ROOT, free_port, live_server, settings
-from tests.support.models import CACHE, demo_dir
+from tests.support.models import cache_root, demo_dir
 
 README = ROOT / "README.md"
 
@@ -121,7 +121,7 @@ def test_demo_graph_null_serves_the_demo_tokenizer_on_the_null_graph() -> None:
     demo_dir()  # exported once (the shared test cache), so the demo starts in seconds
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server", "demo", "--model", "gemma-3-270m", "--graph", "null",
-                             "--port", str(port), "--cache-dir", str(CACHE)],
+                             "--port", str(port), "--cache-dir", str(cache_root())],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

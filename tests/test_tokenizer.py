@@ -17,7 +17,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from server.model import cache as cache_module
+from server import cache as cache_module
 from server.model import tokenizer as host_tokenizer
 from server.model.tokenizer import HostTokenizer
 from tests.support.models import tokenizer_dir

@@ -9,24 +9,39 @@ Gemma tokenizer, 3 JSON documents forced through a 6-property schema, 215 mask f
 Both fill a mask far under the 0.5 ms goal; xgrammar precomputes a per-grammar cache over the whole vocabulary, so
 each new schema costs ~0.5 s of CPU, where llguidance compiles in milliseconds with its work bounded by fuel limits.
 Its Lark grammars also reference special tokens by id (`<[48]>`) and intersect regexes (`& ~/.../`), which Gemma's
-`<|"|>`-delimited strings need. Its one-time tokenizer build is slow (13-20 s on this host for Gemma's 262k tokens, up
-to a minute under heavy load; building it from a `llguidance.TokenizerWrapper` over the token bytes measured ~8 s) and
-cannot be kept on disk: `VocabLoader` does it once per start, off the device thread. Per-token cost with the torch
-side: server/tools/bench/constraints.py.
+`<|"|>`-delimited strings need.
+
+Its one-time tokenizer build is one Rust call that holds the GIL from start to end (measured on a quiet host, Gemma's
+262k tokens: 1.45 s in `LLTokenizer(tokenizer.json)`, which parses the whole BPE model again, plus 0.26 s serialising
+the tokenizer for it; several times that under load). llguidance cannot serialise what it built, but the token table it
+derives is plain data, so the first build writes each token's bytes and the special ids under `--cache-dir`
+(`grammar-vocab-v1-<hash>.bin`, ~3 MB, keyed by tokenizer.json's content, the vocabulary size and llguidance's version)
+and later starts hand that table to llguidance through a `TokenizerWrapper`: 0.57 s, the same tokens, specials and
+masks (its tokenizing calls back into the host's own tokenizer). `VocabLoader` does it once per start, off the device
+thread. Per-token cost with the torch side: server/tools/bench/constraints.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
+import logging
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import llguidance
 
+from server.cache import AtomicFile
 from server.constraints.constraint import Constraint, ConstraintError, ConstraintSpec, build_matcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,12 +62,13 @@ class GrammarVocab:
     `stop_ids` end generation (eos plus the generation config's and the protocol's extra stops): a finished grammar
     allows exactly those. `token_id(text)`: a special token's id (a chat protocol's markers); ConstraintError if none."""
 
-    def __init__(self, tokenizer_json: str, token_id: Callable[[str], int | None], vocab_size: int,
-                 stop_ids: Sequence[int], limits: ConstraintLimits = ConstraintLimits()) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, token_id: Callable[[str], int | None], vocab_size: int,
+                 stop_ids: Sequence[int], limits: ConstraintLimits = ConstraintLimits(), *, from_cache: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.from_cache = from_cache  # built from the cached token table (the log says so, the tests check it)
         self.stop_ids = tuple(dict.fromkeys(stop_ids))
         self.limits = limits
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.stop_ids))
+        self.tokenizer = tokenizer
         self._lookup = token_id
         self._parser_limits = llguidance.LLParserLimits(max_grammar_size=limits.grammar_size,
                                                         initial_lexer_fuel=limits.lexer_fuel, verbose_errors=False)
@@ -61,11 +77,32 @@ class GrammarVocab:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
-                       limits: ConstraintLimits = ConstraintLimits()) -> GrammarVocab:
+                       limits: ConstraintLimits = ConstraintLimits(), *, cache_dir: Path | None = None,
+                       source: Path | None = None) -> GrammarVocab:
         """From a `HostTokenizer` (or a transformers fast tokenizer): its Rust tokenizer serialised, as llguidance's
-        own transformers adapter does; token lookups one at a time (never the 262k-entry `get_vocab()` dict)."""
+        own transformers adapter does; token lookups one at a time (never the 262k-entry `get_vocab()` dict).
+
+        With `cache_dir` and `source` (the tokenizer.json it was loaded from), the token table comes from the cache
+        when it holds an entry for that file, and is written there after a build from the tokenizer when it does not.
+        A cache entry that cannot be read or written is passed over: the build from the tokenizer is always right."""
         backend = tokenizer.backend_tokenizer
-        return cls(backend.to_str(), backend.token_to_id, vocab_size, stop_ids, limits)
+        stops = list(dict.fromkeys(stop_ids))
+        entry = None if cache_dir is None or source is None else _cache_entry(Path(cache_dir), Path(source), vocab_size)
+        table = None if entry is None else _read_table(entry)
+        from_cache, start = table is not None, time.perf_counter()
+        if table is not None:
+            tokens, table = _TokenTable(*table, eos=stops[0] if stops else None, encode=backend.encode), None
+            wrapper = llguidance.TokenizerWrapper(tokens)
+            built = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=stops)
+            # The bytes are read by the build alone (~30 MB of objects); both keep the table for tokenizing only.
+            wrapper.tokens = tokens.tokens = []
+        else:
+            built = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=stops)
+            if entry is not None:
+                _write_table(entry, built)
+        log.info("grammar vocabulary built in %.2f s from %s", time.perf_counter() - start,
+                 "the cached token table" if from_cache else "tokenizer.json")
+        return cls(built, backend.token_to_id, vocab_size, stops, limits, from_cache=from_cache)
 
     @property
     def mask_words(self) -> int:
@@ -116,15 +153,81 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
 
 
+# --------------------------------------------------------------------- the token table's cache entry
+
+_CACHE_TAG = "grammar-vocab-v1"  # bump when the file's layout changes
+_MAGIC = _CACHE_TAG.encode() + b"\n"
+
+
+class _TokenTable:
+    """What `llguidance.TokenizerWrapper` reads: each token's bytes, the special ids, and a way to tokenize text."""
+
+    def __init__(self, tokens: list[bytes], special: list[int], *, eos: int | None, encode: Callable[..., Any]) -> None:
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos  # overridden by the stop ids given to LLTokenizer
+        self.bos_token_id = None
+        self._encode = encode
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._encode(text, add_special_tokens=False).ids)
+
+
+def _cache_entry(cache_dir: Path, source: Path, vocab_size: int) -> Path | None:
+    """Where the token table of the tokenizer in `source` lives; None when `source` cannot be read."""
+    digest = hashlib.sha256(f"{llguidance.__version__}/{vocab_size}/".encode())
+    try:
+        digest.update(source.read_bytes())  # hashlib lets go of the GIL over large buffers
+    except OSError:
+        return None
+    return cache_dir / f"{_CACHE_TAG}-{digest.hexdigest()}.bin"
+
+
+def _read_table(entry: Path) -> tuple[list[bytes], list[int]] | None:
+    """(each token's bytes, the special ids) from `entry`; None when it is missing or not a whole entry. Python work in
+    small steps, so it never holds the GIL for long."""
+    lengths = array("I")  # 4-byte unsigned on every platform CPython runs on; checked below
+    try:
+        data = entry.read_bytes()
+        header_end = data.index(b"\n", len(_MAGIC)) + 1
+        header = json.loads(data[len(_MAGIC):header_end])
+        count, special = int(header["tokens"]), [int(token) for token in header["special"]]
+        lengths.frombytes(data[header_end : header_end + 4 * count])
+    except (OSError, ValueError, KeyError, TypeError):  # missing, or torn mid-header (ValueError: not whole lengths)
+        return None
+    ends = list(itertools.accumulate(lengths, initial=header_end + 4 * count))
+    if not data.startswith(_MAGIC) or lengths.itemsize != 4 or len(lengths) != count or ends[-1] != len(data):
+        return None
+    if not all(0 <= token < count for token in special):  # llguidance would panic (a BaseException) on these
+        return None
+    return [data[begin:end] for begin, end in itertools.pairwise(ends)], special
+
+
+def _write_table(entry: Path, tokenizer: llguidance.LLTokenizer) -> None:
+    """The token table `tokenizer` was built with, into `entry` (atomically); a failure only costs the next start time."""
+    tokens = [tokenizer.decode_bytes([token]) for token in range(tokenizer.vocab_size)]
+    special = [token for token in range(tokenizer.vocab_size) if tokenizer.is_special_token(token)]
+    lengths = array("I", map(len, tokens))
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with AtomicFile(entry.parent, f".{entry.name}.") as out:
+            out.write(_MAGIC + json.dumps({"tokens": len(tokens), "special": special}).encode() + b"\n")
+            out.write(lengths.tobytes())
+            out.write(b"".join(tokens))
+            out.commit(entry)
+    except OSError as exc:
+        log.warning("grammar vocabulary cache not written (%s): the next start builds it from tokenizer.json again", exc)
+
+
 class VocabLoader:
     """Builds the `GrammarVocab` once, on its own thread, after start-up (never on the device thread, never delaying
     readiness): `start()` is idempotent, `wait(timeout)` gives the vocabulary or None if it is not ready in time.
 
-    One per host (the composition root makes it with the host): the API waits for it before it admits a constrained
-    request, and the engine builds each run's matcher with it (`matcher(spec)`); apps built again around the same
-    host (tests, the bench) share the build. Nothing is cached on disk: llguidance has no way to serialise a built
-    tokenizer (LLTokenizer). Its constructor holds the GIL for most of the build (one ~10 s stall measured), which is
-    why the server starts it together with the graph load.
+    One per host (the composition root makes it with the host): the API waits for it (on a worker thread, never the
+    event loop) before it admits a constrained request, and the engine builds each run's matcher with it
+    (`matcher(spec)`, never waiting: the request was admitted after the build); apps built again around the same host
+    (tests, the bench) share the build. Its Rust constructor holds the GIL throughout (0.6 s from the cached token
+    table, 1.7 s without it, on a quiet host), which is why the server starts it together with the graph load.
     """
 
     def __init__(self, build: Callable[[], GrammarVocab]) -> None:
@@ -134,6 +237,7 @@ class VocabLoader:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._waiting = 0  # callers blocked in wait() now
 
     def start(self) -> None:
         with self._lock:
@@ -152,11 +256,23 @@ class VocabLoader:
     def started(self) -> bool:
         return self._thread is not None
 
+    @property
+    def waiting(self) -> int:
+        """Callers blocked in `wait` now: constrained requests parked until the build is done."""
+        return self._waiting
+
     def wait(self, timeout: float) -> GrammarVocab | None:
         """The vocabulary, or None when it is still building after `timeout`; raises RuntimeError if it failed."""
         self.start()
-        if not self._done.wait(timeout):
-            return None
+        if not self._done.is_set():
+            with self._lock:
+                self._waiting += 1
+            try:
+                if not self._done.wait(timeout):
+                    return None
+            finally:
+                with self._lock:
+                    self._waiting -= 1
         if self._vocab is None:
             raise RuntimeError(f"the grammar vocabulary failed to build: {self._error}")
         return self._vocab

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.model.cache import AtomicFile
+from server.cache import AtomicFile
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, processors
 
-from server.model.cache import AtomicFile
+from server.cache import AtomicFile
 from server.model.chat_template import render
 
 log = logging.getLogger(__name__)

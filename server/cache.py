@@ -1,4 +1,5 @@
-"""`AtomicFile`: how the start-up caches under `--cache-dir` write their entries (model structure, tokenizer copy).
+"""`AtomicFile`: how the start-up caches under `--cache-dir` write their entries (model structure, tokenizer copy, the
+grammar vocabulary's token table), from any layer: it is plain file work, below every package.
 
 Several servers may start at once on one cache and any of them may die mid-write, so an entry is written under a
 temporary name beside its destination and renamed onto it once whole: readers see no file or the whole file.
