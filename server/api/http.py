@@ -34,9 +34,25 @@ REFUSED_HINTS = {
 }
 
 
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json` (any parameters, e.g. `; charset=utf-8`).
+
+    Why: a browser sends a cross-origin POST as `text/plain`, `application/x-www-form-urlencoded` or
+    `multipart/form-data` without asking first (no CORS preflight). Read as JSON anyway, any web page a user opens could
+    make a server with no API key (the default) generate text: a cross-site drain. `application/json` always needs a
+    preflight, which only the origins of --allowed-origins pass (none by default). Every JSON route reads its body
+    through `read_body`, so this one check covers them all; it runs before a byte of the body is read."""
+    declared = request.headers.get("content-type")
+    media_type = (declared or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = "none" if declared is None else repr(declared[:100])
+        raise APIError(415, f"Content-Type must be application/json (got {shown}).", code="unsupported_media_type")
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413), and a body
-    that takes longer than `timeout_s` to arrive (408)."""
+    """The raw body of a JSON route: declared as JSON (415, `check_json_content_type`), refusing more than `limit` bytes
+    both by Content-Length and as it streams in (413), and a body that takes longer than `timeout_s` to arrive (408)."""
+    check_json_content_type(request)
     too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
                          code="request_too_large")
     declared = request.headers.get("content-length")
