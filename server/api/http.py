@@ -83,10 +83,19 @@ class BodyPart(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
 
 
+def _described_as_closed(schema: dict[str, Any]) -> None:
+    """A body's JSON Schema (/openapi.json) says what `_no_silent_drops` enforces: its fields and the ignored ones, no
+    others (pydantic would describe `extra="allow"` as any additional property)."""
+    properties = schema.setdefault("properties", {})
+    for name in sorted(IGNORED_FIELDS - set(properties)):
+        properties[name] = {"description": "Accepted and ignored: it does not change the output."}
+    schema["additionalProperties"] = False
+
+
 class RequestBody(BodyPart):
     """A top-level request body: unknown fields are refused unless they are in IGNORED_FIELDS."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True, json_schema_extra=_described_as_closed)
     refused_hints: ClassVar[Mapping[str, str]] = REFUSED_HINTS  # a route's own reasons for the fields it refuses
 
     @model_validator(mode="after")

@@ -206,8 +206,8 @@ class Tool(BodyPart):
     @field_validator("function")
     @classmethod
     def _named(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(value.get("name"), str) or not value["name"]:
-            raise ValueError("function.name is required")
+        if not isinstance(value.get("name"), str):
+            raise PydanticCustomError("tool_name", "name: required, a string", {"loc": "name"})
         try:
             check_tool_name(value["name"])
         except ValueError as exc:
