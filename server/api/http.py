@@ -7,6 +7,9 @@ Deliberate choices (do not "fix" these without reading why):
   accepted and ignored; any other unknown field is a 400 (`suffix`, `functions`, `audio`, ...). Inside messages,
   tools and schemas unknown keys are passed through to the template and the grammar compiler, which decide.
 - NaN and +-inf are rejected everywhere (`allow_inf_nan=False`), by the JSON parser as well as the fields.
+- A body is read only when it is declared `application/json` (else 415, `check_json_content_type`): the one guard
+  against a web page's cross-site POST, which browsers send as text/plain or a form without a preflight.
+- JSON text inside a field is read by `server.json_text.read_json`: the same parser and limits as the body.
 """
 
 from __future__ import annotations

@@ -191,6 +191,9 @@ class Operation:
     protected: bool = True  # behind the API key, when one is set
     query: tuple[Query, ...] = ()
     answer_schema: Mapping[str, Any] | None = None  # the 200's schema when it is no model (this document itself)
+    # OpenAPI links from the 200: (operation, method) the answer's `id` is the path parameter of (a client, or a
+    # fuzzer's stateful phase, follows a created response to its GET, input_items and DELETE).
+    links: tuple[tuple[str, str], ...] = ()
 
 
 # A JSON route's errors: bad body (400), key (401), model or id not found (404), body too slow (408), too large (413),
@@ -206,7 +209,10 @@ OPERATIONS: Mapping[tuple[str, str], Operation] = {
     ("/v1/completions", "POST"): Operation("Legacy completion", CompletionRequest, Completion, stream=True,
                                            errors=_GENERATION_ERRORS),
     ("/v1/responses", "POST"): Operation("Create a response (OpenAI's Responses API)", ResponsesRequest, ResponseObject,
-                                         stream=True, errors=_GENERATION_ERRORS),
+                                         stream=True, errors=_GENERATION_ERRORS, links=(
+                                             ("/v1/responses/{response_id}", "GET"),
+                                             ("/v1/responses/{response_id}/input_items", "GET"),
+                                             ("/v1/responses/{response_id}", "DELETE"))),
     ("/v1/responses/{response_id}", "GET"): Operation("A stored response", answer=ResponseObject, errors=(400, 401, 404)),
     ("/v1/responses/{response_id}/input_items", "GET"): Operation(
         "A stored response's input items", answer=InputItemList, errors=(400, 401, 404), query=(
@@ -257,6 +263,11 @@ def _operation(path: str, method: str, op: Operation, keyed: bool) -> dict[str, 
     if op.stream:  # one SSE event per line pair; the stream ends with `data: [DONE]` (chat, completions)
         content["text/event-stream"] = {"schema": {"type": "string"}}
     responses: dict[str, Any] = {"200": {"description": op.summary, "content": content}}
+    if op.links:
+        responses["200"]["links"] = {
+            _operation_id(target, verb): {"operationId": _operation_id(target, verb),
+                                          "parameters": {name: "$response.body#/id" for name in _PATH_PARAM.findall(target)}}
+            for target, verb in op.links}
     if path == "/health":
         responses["503"] = {"description": "Not ready: loading, draining or failed", "content": _json(_ref(Health))}
     for status in op.errors:
