@@ -251,6 +251,13 @@ def test_openapi_json_is_valid_openapi_3_1_and_describes_every_route(server: Liv
     assert set(chat) == {"application/json", "text/event-stream"}
     tool = document["components"]["schemas"]["FunctionTool"]["properties"]["name"]
     assert tool["pattern"] == "^[A-Za-z0-9_.\\-]{1,64}$"
+    # With an API key set, the protected operations declare it and their 401; the open ones do not.
+    keyed = describe(server.app.routes, title="t", version="0", keyed=True)
+    validate(keyed)
+    assert "401" in keyed["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert keyed["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}, {"apiKey": []}]
+    assert "security" not in keyed["paths"]["/health"]["get"] and "401" not in document["paths"]["/v1/models"]["get"][
+        "responses"]
 
 
 def test_a_route_without_a_description_cannot_be_served() -> None:
