@@ -60,7 +60,8 @@ def test_schemathesis_finds_nothing_on_the_running_demo(tmp_path: Path) -> None:
         operations = sum(len(methods) for methods in httpx.get(f"{url}/openapi.json").json()["paths"].values())
         command = schemathesis_command(url)
         began = time.monotonic()
-        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        # In tmp_path: schemathesis keeps a cache directory (.schemathesis/) in its working directory.
+        run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
         took = time.monotonic() - began
         report = run.stdout[-6000:] + run.stderr[-2000:] + "\nserver log:\n" + log.read_text()[-3000:]
         assert run.returncode == 0, f"{' '.join(command)}\n(exit {run.returncode} after {took:.0f} s)\n{report}"
