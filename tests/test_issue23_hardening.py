@@ -15,7 +15,8 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from server.api.openapi import describe
+from server.api.http import parse
+from server.api.openapi import OPERATIONS, describe
 from server.app.runtime import Host, build_engine
 from server.constraints.constraint import ConstraintError
 from server.json_text import JSONTextError, JSONTooDeep, read_json
@@ -258,6 +259,14 @@ def test_openapi_json_is_valid_openapi_3_1_and_describes_every_route(server: Liv
     assert keyed["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}, {"apiKey": []}]
     assert "security" not in keyed["paths"]["/health"]["get"] and "401" not in document["paths"]["/v1/models"]["get"][
         "responses"]
+
+
+def test_the_descriptions_examples_are_bodies_the_routes_accept() -> None:
+    shown = [(key, op, example) for key, op in OPERATIONS.items() for example in (op.examples or {}).values()]
+    assert len(shown) >= 10
+    for key, op, example in shown:
+        assert op.body is not None, key
+        parse(op.body, json.dumps(example).encode())  # raises APIError (a 400) if the example is not accepted
 
 
 def test_a_route_without_a_description_cannot_be_served() -> None:

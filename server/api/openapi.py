@@ -194,6 +194,8 @@ class Operation:
     # OpenAPI links from the 200: (operation, method) the answer's `id` is the path parameter of (a client, or a
     # fuzzer's stateful phase, follows a created response to its GET, input_items and DELETE).
     links: tuple[tuple[str, str], ...] = ()
+    # Request bodies to show (and for a fuzzer's examples phase to send first): name -> body.
+    examples: Mapping[str, Mapping[str, Any]] | None = None
 
 
 # A JSON route's errors: bad body (400), key (401), model or id not found (404), body too slow (408), too large (413),
@@ -201,18 +203,28 @@ class Operation:
 _BODY_ERRORS = (400, 401, 404, 408, 413, 415)
 # A generation's: its body's, and a full queue (429, Retry-After), a server loading or draining (503).
 _GENERATION_ERRORS = (*_BODY_ERRORS, 429, 503)
-_ID = "The id of a stored response (`resp_...`)."
+_HI = [{"role": "user", "content": "Hi"}]
+# One SSE event as clients (and schemathesis) parse it: `event:` (the Responses API names each), `data:` (a JSON
+# object; chat and completions end with `data: [DONE]`). Keep-alive comments are no events.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"type": "string"}, "data": {"type": "string", "description": "A JSON object, or [DONE] at the end"}}}
 
 OPERATIONS: Mapping[tuple[str, str], Operation] = {
-    ("/v1/chat/completions", "POST"): Operation("Chat completion", ChatCompletionRequest, ChatCompletion, stream=True,
-                                                errors=_GENERATION_ERRORS),
-    ("/v1/completions", "POST"): Operation("Legacy completion", CompletionRequest, Completion, stream=True,
-                                           errors=_GENERATION_ERRORS),
-    ("/v1/responses", "POST"): Operation("Create a response (OpenAI's Responses API)", ResponsesRequest, ResponseObject,
-                                         stream=True, errors=_GENERATION_ERRORS, links=(
-                                             ("/v1/responses/{response_id}", "GET"),
-                                             ("/v1/responses/{response_id}/input_items", "GET"),
-                                             ("/v1/responses/{response_id}", "DELETE"))),
+    ("/v1/chat/completions", "POST"): Operation(
+        "Chat completion", ChatCompletionRequest, ChatCompletion, stream=True, errors=_GENERATION_ERRORS, examples={
+            "answer": {"messages": _HI, "max_tokens": 8},
+            "stream": {"messages": _HI, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}},
+            "json": {"messages": _HI, "max_tokens": 8, "response_format": {"type": "json_object"}}}),
+    ("/v1/completions", "POST"): Operation(
+        "Legacy completion", CompletionRequest, Completion, stream=True, errors=_GENERATION_ERRORS, examples={
+            "answer": {"prompt": "Hi", "max_tokens": 8}, "stream": {"prompt": "Hi", "max_tokens": 8, "stream": True}}),
+    ("/v1/responses", "POST"): Operation(
+        "Create a response (OpenAI's Responses API)", ResponsesRequest, ResponseObject, stream=True,
+        errors=_GENERATION_ERRORS, examples={
+            "answer": {"input": "Hi", "max_output_tokens": 8},
+            "stream": {"input": "Hi", "max_output_tokens": 8, "stream": True}},
+        links=(("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}/input_items", "GET"),
+               ("/v1/responses/{response_id}", "DELETE"))),
     ("/v1/responses/{response_id}", "GET"): Operation("A stored response", answer=ResponseObject, errors=(400, 401, 404)),
     ("/v1/responses/{response_id}/input_items", "GET"): Operation(
         "A stored response's input items", answer=InputItemList, errors=(400, 401, 404), query=(
@@ -222,11 +234,13 @@ OPERATIONS: Mapping[tuple[str, str], Operation] = {
     ("/v1/responses/{response_id}", "DELETE"): Operation("Delete a stored response", answer=DeletedResponse,
                                                          errors=(401, 404)),
     ("/generate", "POST"): Operation("The seed server's greedy chat generation", GenerateRequest, Generated,
-                                     errors=_GENERATION_ERRORS),
+                                     errors=_GENERATION_ERRORS, examples={"answer": {"prompt": "Hi", "max_new_tokens": 8}}),
     ("/v1/models", "GET"): Operation("The served model", answer=ModelList, errors=(401,)),
     ("/v1/models/{model}", "GET"): Operation("One model by id", answer=ModelCard, errors=(401, 404)),
-    ("/tokenize", "POST"): Operation("Tokenize a prompt or chat messages", TokenizeRequest, Tokens, errors=_BODY_ERRORS),
-    ("/detokenize", "POST"): Operation("Token ids back to text", DetokenizeRequest, Detokenized, errors=_BODY_ERRORS),
+    ("/tokenize", "POST"): Operation("Tokenize a prompt or chat messages", TokenizeRequest, Tokens, errors=_BODY_ERRORS,
+                                     examples={"prompt": {"prompt": "Hi"}, "messages": {"messages": _HI}}),
+    ("/detokenize", "POST"): Operation("Token ids back to text", DetokenizeRequest, Detokenized, errors=_BODY_ERRORS,
+                                       examples={"tokens": {"tokens": [2, 9259]}}),
     ("/health", "GET"): Operation("Readiness (503 unless ok)", answer=Health, protected=False),
     ("/metrics", "GET"): Operation("Prometheus metrics", media_type="text/plain", protected=False),
     ("/openapi.json", "GET"): Operation("This description", protected=False, answer_schema={"type": "object"}),
@@ -260,8 +274,8 @@ def _operation(path: str, method: str, op: Operation, keyed: bool) -> dict[str, 
         content = _json(op.answer_schema)
     else:
         content = {op.media_type: {"schema": {"type": "string"}}}
-    if op.stream:  # one SSE event per line pair; the stream ends with `data: [DONE]` (chat, completions)
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+    if op.stream:  # with "stream": true; the schema is one event's
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
     responses: dict[str, Any] = {"200": {"description": op.summary, "content": content}}
     if op.links:
         responses["200"]["links"] = {
@@ -282,7 +296,10 @@ def _operation(path: str, method: str, op: Operation, keyed: bool) -> dict[str, 
     if parameters:
         described["parameters"] = parameters
     if op.body is not None:
-        described["requestBody"] = {"required": True, "content": _json(_ref(op.body))}
+        body = _json(_ref(op.body))
+        if op.examples:
+            body["application/json"]["examples"] = {name: {"value": dict(value)} for name, value in op.examples.items()}
+        described["requestBody"] = {"required": True, "content": body}
     if op.protected and keyed:
         described["security"] = [{"bearer": []}, {"apiKey": []}]
     return described
