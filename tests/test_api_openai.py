@@ -473,7 +473,7 @@ def test_body_too_large_is_413() -> None:
                 yield b"y" * 300
             yield b'", "max_tokens": 1}'
 
-        r = httpx.post(f"{live.url}/v1/completions", content=chunks())
+        r = httpx.post(f"{live.url}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
         assert r.status_code == 413, r.text
         assert client.completions.create(model=MODEL, prompt="x" * 1000, max_tokens=1).usage is not None
 

@@ -36,7 +36,7 @@ from tests.support.models import demo_dir
 
 KEY = "sk-reliability-ключ"  # non-ASCII on purpose: clients send it as UTF-8 bytes
 HI = [{"role": "user", "content": "Hi"}]
-OPEN = {"/health", "/metrics", "/"}  # "/": the chat page holds no secret
+OPEN = {"/health", "/metrics", "/", "/openapi.json"}  # "/": the chat page, and the API description: no secret
 
 
 def cli_settings(args: list[str], environ: dict[str, str]) -> Settings:

@@ -42,6 +42,7 @@ from server.api.chat.prompts import Prompts
 from server.api.chat.routes import OpenAIRoutes
 from server.api.given import EngineAPI, ModelInfo
 from server.api.metrics import Metrics, MetricsMiddleware
+from server.api.openapi import describe
 from server.api.page import chat_page
 from server.api.responses.routes import ResponsesRoutes
 from server.api.responses.store import ResponseStore
@@ -165,6 +166,9 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(description)
+
     protected = functools.partial(_require_key, settings.api_key)
     routes = [
         Route("/v1/chat/completions", protected(api.chat_completions), methods=["POST"]),
@@ -182,6 +186,10 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
         Route("/metrics", prometheus, methods=["GET"]),
         *([] if settings.no_ui or page is None else [Route("/", chat_page(page), methods=["GET"])]),  # open: no secret
     ]
+    # Open like /health: the description holds no secret, and clients and fuzzers read it before they have a key.
+    routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
+    # Built once from the route table itself (a route without a description fails here, at start-up, not in a client).
+    description = describe(routes, title=f"gemma4-optb: {model.name}", version="0.1.0", keyed=bool(settings.api_key))
     known = frozenset(r.path for r in routes if "{" not in r.path)
 
     @asynccontextmanager

@@ -7,6 +7,9 @@ Deliberate choices (do not "fix" these without reading why):
   accepted and ignored; any other unknown field is a 400 (`suffix`, `functions`, `audio`, ...). Inside messages,
   tools and schemas unknown keys are passed through to the template and the grammar compiler, which decide.
 - NaN and +-inf are rejected everywhere (`allow_inf_nan=False`), by the JSON parser as well as the fields.
+- A body is read only when it is declared `application/json` (else 415, `check_json_content_type`): the one guard
+  against a web page's cross-site POST, which browsers send as text/plain or a form without a preflight.
+- JSON text inside a field is read by `server.json_text.read_json`: the same parser and limits as the body.
 """
 
 from __future__ import annotations
@@ -34,9 +37,25 @@ REFUSED_HINTS = {
 }
 
 
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json` (any parameters, e.g. `; charset=utf-8`).
+
+    Why: a browser sends a cross-origin POST as `text/plain`, `application/x-www-form-urlencoded` or
+    `multipart/form-data` without asking first (no CORS preflight). Read as JSON anyway, any web page a user opens could
+    make a server with no API key (the default) generate text: a cross-site drain. `application/json` always needs a
+    preflight, which only the origins of --allowed-origins pass (none by default). Every JSON route reads its body
+    through `read_body`, so this one check covers them all; it runs before a byte of the body is read."""
+    declared = request.headers.get("content-type")
+    media_type = (declared or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = "none" if declared is None else repr(declared[:100])
+        raise APIError(415, f"Content-Type must be application/json (got {shown}).", code="unsupported_media_type")
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The raw body, refusing more than `limit` bytes both by Content-Length and as it streams in (413), and a body
-    that takes longer than `timeout_s` to arrive (408)."""
+    """The raw body of a JSON route: declared as JSON (415, `check_json_content_type`), refusing more than `limit` bytes
+    both by Content-Length and as it streams in (413), and a body that takes longer than `timeout_s` to arrive (408)."""
+    check_json_content_type(request)
     too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
                          code="request_too_large")
     declared = request.headers.get("content-length")
@@ -67,10 +86,19 @@ class BodyPart(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
 
 
+def _described_as_closed(schema: dict[str, Any]) -> None:
+    """A body's JSON Schema (/openapi.json) says what `_no_silent_drops` enforces: its fields and the ignored ones, no
+    others (pydantic would describe `extra="allow"` as any additional property)."""
+    properties = schema.setdefault("properties", {})
+    for name in sorted(IGNORED_FIELDS - set(properties)):
+        properties[name] = {"description": "Accepted and ignored: it does not change the output."}
+    schema["additionalProperties"] = False
+
+
 class RequestBody(BodyPart):
     """A top-level request body: unknown fields are refused unless they are in IGNORED_FIELDS."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True, json_schema_extra=_described_as_closed)
     refused_hints: ClassVar[Mapping[str, str]] = REFUSED_HINTS  # a route's own reasons for the fields it refuses
 
     @model_validator(mode="after")

@@ -13,16 +13,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.api.http import BodyPart, RequestBody
+from server.protocol.base import TOOL_NAME_PATTERN, TOOL_NAME_RULE, is_tool_name
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOPS = 4
 MAX_TOKEN_ID_DIGITS = 18  # any vocabulary is smaller; int() of a longer key is never needed
 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+def check_tool_name(name: str) -> str:
+    """The tool-name rule (server.protocol.base.TOOL_NAME_PATTERN) as a field check: every route that takes tools
+    validates its tool names with this (`ToolName`), so a tool the model could never call is refused where it is
+    declared."""
+    if not is_tool_name(name):
+        raise ValueError(f"must be {TOOL_NAME_RULE} (got {name[:80]!r}{'...' if len(name) > 80 else ''})")
+    return name
+
+
+ToolName = Annotated[str, AfterValidator(check_tool_name),
+                     WithJsonSchema({"type": "string", "pattern": TOOL_NAME_PATTERN})]
 
 
 def joined_text_parts(parts: list[Any], allowed: tuple[str, ...]) -> str:
@@ -177,16 +191,27 @@ class ResponseFormat(BodyPart):
         return self
 
 
+# A chat tool's `function` as it is described (/openapi.json); it is validated by `Tool._named` and kept a plain dict,
+# passed on whole to the template and the grammar compiler.
+_FUNCTION_SCHEMA = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "pattern": TOOL_NAME_PATTERN}, "description": {"type": "string"},
+    "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}
+
+
 class Tool(BodyPart):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
     type: Literal["function"]
-    function: dict[str, Any]
+    function: Annotated[dict[str, Any], WithJsonSchema(_FUNCTION_SCHEMA)]
 
     @field_validator("function")
     @classmethod
     def _named(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(value.get("name"), str) or not value["name"]:
-            raise ValueError("function.name is required")
+        if not isinstance(value.get("name"), str):
+            raise PydanticCustomError("tool_name", "name: required, a string", {"loc": "name"})
+        try:
+            check_tool_name(value["name"])
+        except ValueError as exc:
+            raise PydanticCustomError("tool_name", "name: {why}", {"why": str(exc), "loc": "name"}) from None
         if not isinstance(value.get("parameters", {}), dict):
             raise ValueError("function.parameters must be a JSON schema object")
         return value

@@ -38,7 +38,8 @@ def plan_constraint(vocab: GrammarVocab, calls: CallFormat | None, *,
         raise ConstraintError("response_format cannot be combined with a tool_choice that forces a call", "tool_choice")
     channel = calls.thought if thinking and calls is not None else None
     if fmt != "text":
-        return _compiled(vocab, _with_thought(vocab, json_grammar(response_format or {}, vocab.limits), channel))
+        param = "response_format.json_schema.schema" if fmt == "json_schema" else "response_format"
+        return _compiled(vocab, json_grammar(response_format or {}, vocab.limits), channel, param)
     if not tools or choice == "auto" and parallel_tool_calls:
         return None
     if calls is None:
@@ -49,7 +50,7 @@ def plan_constraint(vocab: GrammarVocab, calls: CallFormat | None, *,
         return StopAfter(vocab.token_id(calls.call_close))
     names = [tool_choice["function"]["name"]] if choice == "named" else None  # type: ignore[index]
     rules = calls.call_grammar(vocab, tools, names)
-    return _compiled(vocab, _with_thought(vocab, "call+" if parallel_tool_calls else "call", channel) + rules)
+    return _compiled(vocab, "call+" if parallel_tool_calls else "call", channel, "tools", rules)
 
 
 def _with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None) -> str:
@@ -62,9 +63,21 @@ def _with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | Non
             "THOUGHT: /(?s:.*)/\n")
 
 
-def _compiled(vocab: GrammarVocab, lark: str) -> Grammar:
-    """The grammar as a value, compiled once now: what does not compile is the request's error, not the engine's."""
-    vocab.compile(lark)
+def _compiled(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None, param: str, rules: str = "") -> Grammar:
+    """The grammar of `body` (after a thought in `channel`, if given) as a value, compiled once now: what does not
+    compile, or can never be satisfied, is the request's error naming `param`, not the engine's.
+
+    With a thought channel the start state allows the thought's opening token whatever follows it, so the output
+    after the thought is compiled alone too: its start state is where an unsatisfiable schema shows (vocab.compile)."""
+    lark = _with_thought(vocab, body, channel) + rules
+    try:
+        if channel is not None:
+            vocab.compile(_with_thought(vocab, body, None) + rules)
+        vocab.compile(lark)
+    except ConstraintError as exc:
+        if exc.param is not None:
+            raise
+        raise ConstraintError(f"{param}: {exc.message}", param) from None
     return Grammar(lark)
 
 

@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+import numpy as np
 
 from server.cache import AtomicFile
-from server.constraints.constraint import Constraint, ConstraintError, ConstraintSpec, build_matcher
+from server.constraints.constraint import Constraint, ConstraintError, ConstraintSpec, allowed_ids, build_matcher
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +132,27 @@ class GrammarVocab:
             raise ConstraintError(f"cannot enforce this schema: {_first_line(compiled.get_error())}")
         if timed and elapsed > self.limits.max_compile_s:
             raise ConstraintError(f"schema too complex to enforce (compiling took {elapsed:.1f} s)")
+        self._check_satisfiable(compiled)
         with self._lock:
             self._cache[grammar] = compiled
             while len(self._cache) > self.limits.cache_entries:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _check_satisfiable(self, compiled: llguidance.LLMatcher) -> None:
+        """Refuse a grammar whose start state allows no token but a stop id: it can only produce the empty output, which
+        is no document (e.g. a schema whose `$ref`s only refer to each other). llguidance compiles such a grammar
+        without an error and finds out at the first mask, where the matcher stops: served, it answered 200 with
+        `content: ""` and finish_reason "stop", a silent non-answer. The first mask is computed on a copy (the compiled
+        original stays at its start); it is work the first step would do anyway, and it is cached with the grammar."""
+        probe = compiled.deep_copy()
+        mask = np.zeros(self.mask_words, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if not probe.is_error() and not probe.is_stopped():
+            allowed = allowed_ids(mask, self.vocab_size)
+            if len(allowed) > len(self.stop_ids) or not set(allowed.tolist()) <= set(self.stop_ids):
+                return
+        raise ConstraintError(_UNSATISFIABLE)
 
     def token_id(self, text: str) -> int:
         """The id of the special token `text`; ConstraintError if this vocabulary has none."""
@@ -147,6 +164,10 @@ class GrammarVocab:
     def special(self, text: str) -> str:
         """The Lark reference to a special token of this vocabulary, by id."""
         return f"<[{self.token_id(text)}]>"
+
+
+_UNSATISFIABLE = ("can never be satisfied: no non-empty output matches it (for instance `$ref`s that only refer to "
+                  "each other, with no schema at the end)")
 
 
 def _first_line(message: str) -> str:

@@ -12,16 +12,33 @@ Torch-free, engine-free, and testable with plain strings.
 
 from __future__ import annotations
 
-import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from server.errors import InvalidRequest
+from server.json_text import JSONTextError, read_json
 
 if TYPE_CHECKING:
     from server.constraints.constraint import CallFormat
+
+# The one rule for a tool's name, on every route that takes tools (chat, Responses, and any later one): OpenAI's
+# ^[a-zA-Z0-9_-]{1,64}$ plus ".", which Gemma-4's call syntax carries (`call:ns.tool{...}`, as vLLM's Gemma-4 parser
+# reads it). A name outside it could be declared but never called: the model's call could not be parsed back.
+TOOL_NAME_CHARS = r"A-Za-z0-9_.\-"
+TOOL_NAME_PATTERN = rf"^[{TOOL_NAME_CHARS}]{{1,64}}$"
+TOOL_NAME_RULE = "1 to 64 characters, each a letter, a digit, '_', '-' or '.'"
+_TOOL_NAME = re.compile(TOOL_NAME_PATTERN)
+
+# Template variables the server sets itself when it renders a prompt: a client's `chat_template_kwargs` may not set
+# them (they would collide with the server's own arguments, or replace the template, the conversation or the tools
+# the request declared and the server parses output against).
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "return_assistant_tokens_mask", "return_dict", "add_special_tokens",
+})
 
 # OpenAI's reasoning_effort values; "none" turns thinking off, every other one on (Gemma-4 has no effort levels).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -130,6 +147,23 @@ class ChatProtocol(ABC):
     def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True) -> OutputParser: ...
 
 
+def is_tool_name(name: object) -> bool:
+    """`name` follows the tool-name rule (`TOOL_NAME_PATTERN`)."""
+    return isinstance(name, str) and _TOOL_NAME.fullmatch(name) is not None
+
+
+def template_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` as template variables; ProtocolError for one the server sets itself."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+    if reserved:
+        name = reserved[0]
+        raise ProtocolError(f"chat_template_kwargs.{name}: reserved: the server sets this template variable itself "
+                            f"(reserved names: {', '.join(sorted(RESERVED_TEMPLATE_VARIABLES))})",
+                            f"chat_template_kwargs.{name}")
+    return kwargs
+
+
 def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None, default: bool = False) -> bool:
     """enable_thinking from `chat_template_kwargs` and `reasoning_effort` ("none" = off); contradictions are refused."""
     kwargs = chat_template_kwargs or {}
@@ -169,11 +203,10 @@ def _call_with_object_arguments(call: Mapping[str, Any], where: str) -> dict[str
         raise ProtocolError(f"{where}.function.name is required", f"{where}.function.name")
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except json.JSONDecodeError as exc:
-            raise ProtocolError(f"{where}.function.arguments is not valid JSON: {exc}", f"{where}.function.arguments") \
-                from None
+        try:  # bounded as the body is: a 50,000-deep string is a 400, not a RecursionError
+            arguments = read_json(arguments or "{}", f"{where}.function.arguments")
+        except JSONTextError as exc:
+            raise ProtocolError(exc.message, exc.param) from None
     if not isinstance(arguments, dict):
         raise ProtocolError(f"{where}.function.arguments must be a JSON object", f"{where}.function.arguments")
     return {**call, "function": {**function, "arguments": arguments}}
@@ -195,7 +228,7 @@ class PlainProtocol(ChatProtocol):
         for i, message in enumerate(messages):
             if message.get("role") == "tool" or message.get("tool_calls"):
                 raise ProtocolError(f"messages[{i}]: this model has no native tool-call format", f"messages[{i}]")
-        kwargs = dict(chat_template_kwargs or {})
+        kwargs = template_variables(chat_template_kwargs)
         if thinking_from(kwargs, reasoning_effort):
             raise ProtocolError("this model has no thinking mode", "reasoning_effort" if reasoning_effort else
                                 "chat_template_kwargs")

@@ -36,7 +36,10 @@ import uuid
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from server.json_text import JSONTextError, JSONTooDeep, read_json
 from server.protocol.base import (
+    TOOL_NAME_CHARS,
+    TOOL_NAME_RULE,
     ChatProtocol,
     OutputParser,
     ParsedDelta,
@@ -44,7 +47,9 @@ from server.protocol.base import (
     PromptInputs,
     ProtocolError,
     ToolCallDelta,
+    is_tool_name,
     openai_messages,
+    template_variables,
     thinking_from,
 )
 
@@ -66,15 +71,19 @@ STOP_TOKENS = (TURN_CLOSE, RESPONSE_OPEN)
 
 _SPECIAL_TEXT = re.compile(r"<[^<>\s]{1,40}>")  # the shape of every special token's text; membership decides
 _MAX_HELD = 48  # an unclosed "<" this close to the end may still become a special token: hold it
-_NAME = re.compile(r"\s*(?:call:)?\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
-_BARE_CALL = re.compile(r"call:([A-Za-z_][\w.\-]*)\{")
-_BARE_START = re.compile(r"(?<![\w.\-])call:")
-_BARE_PREFIX = re.compile(r"call:(?:[A-Za-z_][\w.\-]*)?")  # may still grow into `call:NAME{`
-_NAME_CHAR = re.compile(r"[\w.\-]")
+# A call's name: the characters of the tool-name rule (base.TOOL_NAME_PATTERN), every name a request may declare.
+_NAME = re.compile(rf"\s*(?:call:)?\s*([{TOOL_NAME_CHARS}]+)\s*(?=\{{)")
+_BARE_CALL = re.compile(rf"call:([{TOOL_NAME_CHARS}]+)\{{")
+_BARE_START = re.compile(rf"(?<![{TOOL_NAME_CHARS}])call:")
+_BARE_PREFIX = re.compile(rf"call:(?:[{TOOL_NAME_CHARS}]+)?")  # may still grow into `call:NAME{{`
+_NAME_CHAR = re.compile(rf"[{TOOL_NAME_CHARS}]")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _BARE_KEY = re.compile(r"[^\s:{}\[\],<>]+")
 _BARE_VALUE = re.compile(r"[^,}\]<]+")
 _MAX_CALL_CHARS = 1 << 20  # a "call" longer than this is not one: release it as content
+# Nesting the argument parser follows (recursively) before it calls the text no call: as deep as a request body may be
+# (server.json_text), and far from Python's recursion limit, whatever the model writes.
+_MAX_DEPTH = 200
 
 
 def is_gemma4(vocab: Container[str]) -> bool:
@@ -104,7 +113,8 @@ class Gemma4Protocol(ChatProtocol):
 
     def prompt_inputs(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                       chat_template_kwargs: Mapping[str, Any] | None = None, reasoning_effort: str | None = None) -> PromptInputs:
-        thinking = thinking_from(chat_template_kwargs, reasoning_effort)
+        variables = template_variables(chat_template_kwargs)
+        thinking = thinking_from(variables, reasoning_effort)
         converted = openai_messages(messages)
         names_by_id: dict[str, str] = {}
         for i, message in enumerate(converted):
@@ -113,8 +123,7 @@ class Gemma4Protocol(ChatProtocol):
                     names_by_id[call["id"]] = call["function"]["name"]
             if message.get("role") == "tool":
                 converted[i] = _tool_message(message, names_by_id, i)
-        return PromptInputs(converted, _declared(tools), {**(chat_template_kwargs or {}), "enable_thinking": thinking},
-                            thinking=thinking)
+        return PromptInputs(converted, _declared(tools), {**variables, "enable_thinking": thinking}, thinking=thinking)
 
     def parser(self, *, tool_names: Sequence[str] = (), parse_tool_calls: bool = True,
                new_id: Callable[[], str] = call_id) -> Gemma4Parser:
@@ -133,9 +142,11 @@ def _tool_message(message: dict[str, Any], names_by_id: Mapping[str, str], index
         content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
     if isinstance(content, str) and content.lstrip().startswith("{"):
         try:
-            parsed = json.loads(content)
-        except json.JSONDecodeError:
-            parsed = None
+            parsed = read_json(content, f"messages[{index}].content")
+        except JSONTooDeep as exc:  # no body may nest so deep, nor could a template render it: a 400, not text
+            raise ProtocolError(exc.message, exc.param) from None
+        except JSONTextError:
+            parsed = None  # not JSON: the tool's output is text
         if isinstance(parsed, dict):
             content = parsed
     return {**message, "name": name, "content": content}
@@ -151,6 +162,8 @@ def _declared(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]
             raise ProtocolError(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise ProtocolError(f"tools[{i}].function.name is required", f"tools[{i}].function.name")
+        if not is_tool_name(function["name"]):
+            raise ProtocolError(f"tools[{i}].function.name: must be {TOOL_NAME_RULE}", f"tools[{i}].function.name")
         declared.append({"type": "function", "function": dict(function)})
     return declared
 
@@ -188,14 +201,18 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-def _items(text: str, i: int, close: str, item: Callable[[str, int], tuple[Any, int]]) -> tuple[list[Any], int]:
-    """The comma-separated items of the object or array opening at `i`, each read by `item`; and the index past it."""
+def _items(text: str, i: int, close: str, item: Callable[[str, int, int], tuple[Any, int]],
+           depth: int) -> tuple[list[Any], int]:
+    """The comma-separated items of the object or array opening at `i` (at nesting `depth`), each read by `item`; and
+    the index past it."""
+    if depth > _MAX_DEPTH:
+        raise _Syntax(f"nested deeper than {_MAX_DEPTH} at {i}")
     items: list[Any] = []
     i = _skip(text, i + 1)
     if text.startswith(close, i):
         return items, i + 1
     while True:
-        value, i = item(text, i)
+        value, i = item(text, i, depth)
         items.append(value)
         i = _skip(text, i)
         if text.startswith(close, i):
@@ -205,14 +222,14 @@ def _items(text: str, i: int, close: str, item: Callable[[str, int], tuple[Any, 
         i = _skip(text, i + 1)
 
 
-def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
+def _object(text: str, i: int, depth: int = 1) -> tuple[dict[str, Any], int]:
     if not text.startswith("{", i):
         raise _Syntax(f"expected '{{' at {i}")
-    members, end = _items(text, i, "}", _member)
+    members, end = _items(text, i, "}", _member, depth)
     return dict(members), end
 
 
-def _member(text: str, i: int) -> tuple[tuple[str, Any], int]:
+def _member(text: str, i: int, depth: int) -> tuple[tuple[str, Any], int]:
     if text.startswith(QUOTE, i):
         key, i = _string(text, i)
     else:
@@ -223,7 +240,7 @@ def _member(text: str, i: int) -> tuple[tuple[str, Any], int]:
     i = _skip(text, i)
     if not text.startswith(":", i):
         raise _Syntax(f"expected ':' at {i}")
-    value, i = _value(text, _skip(text, i + 1))
+    value, i = _value(text, _skip(text, i + 1), depth)
     return (key, value), i
 
 
@@ -234,13 +251,14 @@ def _string(text: str, i: int) -> tuple[str, int]:
     return text[i + len(QUOTE):end], end + len(QUOTE)
 
 
-def _value(text: str, i: int) -> tuple[Any, int]:
+def _value(text: str, i: int, depth: int) -> tuple[Any, int]:
+    """The value at `i`, inside a container at nesting `depth`."""
     if text.startswith(QUOTE, i):
         return _string(text, i)
     if text.startswith("{", i):
-        return _object(text, i)
+        return _object(text, i, depth + 1)
     if text.startswith("[", i):
-        return _items(text, i, "]", _value)
+        return _items(text, i, "]", _value, depth + 1)
     match = _BARE_VALUE.match(text, i)
     if match is None:
         raise _Syntax(f"expected a value at {i}")

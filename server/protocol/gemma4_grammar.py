@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from server.constraints.constraint import ConstraintError, function_of
+from server.protocol.base import TOOL_NAME_RULE, is_tool_name
 from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
 
 if TYPE_CHECKING:
@@ -29,9 +30,9 @@ def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], n
         function = function_of(tool)
         if names is not None and function["name"] not in names:
             continue
-        if not re.fullmatch(r"[A-Za-z_][\w.\-]*", function["name"]):
-            raise ConstraintError(f"tools[{i}].function.name {function['name']!r} cannot be written in Gemma's call "
-                                  "syntax", f"tools[{i}].function.name")
+        if not is_tool_name(function["name"]):
+            raise ConstraintError(f"tools[{i}].function.name {function['name'][:80]!r} cannot be written in Gemma's "
+                                  f"call syntax: a name is {TOOL_NAME_RULE}", f"tools[{i}].function.name")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         args = builder.arguments(parameters, f"tools[{i}].function.parameters")
         alternatives.append(f"{_literal(function['name'])} {args}")

@@ -102,6 +102,12 @@ class Prompts:
         except (TemplateError, ValueError, TypeError) as exc:  # ValueError: the model ships no chat template
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages",
                            code="invalid_value") from None
+        except RecursionError:
+            # A template renders nested arguments, tool results and schemas with a recursive macro, ~5 Python frames a
+            # level: JSON as deep as a body may be (~200 levels) overflows it. Nothing is left half-done: a 400.
+            raise APIError(400, "messages: the chat template cannot render them: their JSON (tool-call arguments, tool "
+                           "results or tool schemas) is nested too deeply", param="messages",
+                           code="invalid_value") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _token_info(self, token_id: int) -> tuple[str, list[int]]:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, TypeAdapter, field_validator, model_validator
 
 from server.api.http import BodyPart, RequestBody
-from server.api.schemas import joined_text_parts
+from server.api.schemas import ToolName, joined_text_parts
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys up to 64 characters, values up to 512
@@ -89,7 +89,7 @@ INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])  # a co
 
 class FunctionTool(BodyPart):
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
