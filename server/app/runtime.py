@@ -97,14 +97,17 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
 
             return HFGraph(host.artifacts.hf, spec, device=device)
         if kind == "null":
-            from server.graphs.null import NULL_GRAPH_WORDS, NullGraph
+            from server.graphs.null import NULL_DECODE_BATCHES, NULL_GRAPH_WORDS, NULL_SLOTS, NullGraph
 
             # Greedy repeats " a"; sampling draws among ordinary words, so every sampled token is a visible chunk.
             words = list(dict.fromkeys(host.tokenizer.encode(NULL_GRAPH_WORDS, add_special_tokens=False)))
             favoured, words = words[0], words[1:]
+            # As many KV slots as the artifact's v3 graph would have (else NULL_SLOTS): it serves several at once.
+            slots, batches = (spec.kv_slots, spec.decode_batches) if spec.v3 else (NULL_SLOTS, NULL_DECODE_BATCHES)
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
                              input_dtype=DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
-                             favoured_token=favoured, text_tokens=words, step_s=null_step_s)
+                             favoured_token=favoured, text_tokens=words, step_s=null_step_s, slots=slots,
+                             decode_batches=batches)
         raise ValueError(f"unknown graph kind {kind!r}")
 
     return load
@@ -120,4 +123,4 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
                   load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
                   max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
                   step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
-                  constraints=host.grammar.matcher)
+                  constraints=host.grammar.matcher, max_batch=settings.max_batch)
