@@ -259,9 +259,8 @@ class Engine:
             for seq in rows:
                 seq.reason, seq.error = "error", message
                 finishes.append((seq, seq.finish()[1]))
+        log.error("%s; the device is marked unhealthy until it returns", message)
         for seq, finish in finishes:
-            log.error("request %s: %s; the device is marked unhealthy until it returns", seq.handle.request.request_id,
-                      message)
             self._retire(seq.handle, finish)
 
     # ----------------------------------------------------------------- worker thread
@@ -403,7 +402,7 @@ class Engine:
             self._fail(rows, None)
             return
         except Exception as exc:  # noqa: BLE001 - this step's requests fail, the engine keeps serving
-            log.exception("a graph call failed for %s", ", ".join(seq.handle.request.request_id or "-" for seq in rows))
+            log.exception("request %s failed in the graph", ", ".join(seq.handle.request.request_id for seq in rows))
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
         finally:

@@ -6,7 +6,10 @@ prompt again (the 2nd..nth choice of a request, a regenerated answer) costs no g
   sampled from, and the graph does not hand back logits it computed earlier.
 - The graph has the last word on what it can keep: `rewind` answers where it can really continue (server.graphs.base).
 - An idle slot keeps its KV until a newcomer needs it: `KVSlots.choose` gives a prompt the free slot holding the
-  longest prefix of it (a user's next turn finds its own conversation), else the least recently used one.
+  longest prefix of it (a user's next turn finds its own conversation) when that prefix is at least half the prompt,
+  else the least recently used one (never-used slots first). The half is llama.cpp's --slot-prompt-similarity 0.5:
+  without it, a shared BOS or system prompt would send every newcomer into some other user's conversation and evict
+  it, while an empty slot stood by.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def _common(cached: list[int], wanted: Sequence[int]) -> int:
     return common
 
 
+SIMILARITY = 0.5  # a free slot is chosen for its cached prefix only when that covers this share of the prompt
+
+
 class KVSlots:
     """The slots a scheduler may use, and which of them are free (no running sequence)."""
 
@@ -92,9 +98,13 @@ class KVSlots:
         self._clock = 0
 
     def choose(self, prompt: Sequence[int], prefix_reuse: bool = True) -> KVSlot:
-        """Take the free slot holding the longest prefix of `prompt`; among equals (none at all: an eviction), the
-        least recently used. There must be a free slot."""
-        slot = max(self.free, key=lambda s: (s.match(prompt, prefix_reuse), -s.last_used))
+        """Take the free slot holding the longest prefix of `prompt`, if at least half of it (SIMILARITY); else the least
+        recently used (an eviction, or a never-used slot). There must be a free slot."""
+        matches = [(s.match(prompt, prefix_reuse), -s.last_used, s.index) for s in self.free]
+        best = max(matches)
+        if best[0] < SIMILARITY * len(prompt):
+            best = max(matches, key=lambda m: (m[1], m[2]))  # the least recently used
+        slot = self.all[best[2]]
         self.free.remove(slot)
         self._clock += 1
         slot.last_used = self._clock
