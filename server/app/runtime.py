@@ -76,8 +76,9 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar)
 
 
-def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:
-    """A zero-argument factory the engine calls on its own thread."""
+def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0, hf_slots: int = 0) -> Callable[[], Graph]:
+    """A zero-argument factory the engine calls on its own thread. `hf_slots`: the reference graph's caches (0: its
+    demo default, graphs.hf.DEMO_SLOTS)."""
     kind, spec, structure = host.graph_kind, host.spec, host.structure
 
     def load() -> Graph:
@@ -93,9 +94,9 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
             return JitGraph(path, spec, vocab_size=structure.vocab_size, sliding_window=structure.sliding_window,
                             final_softcap=structure.final_softcap)
         if kind == "hf":
-            from server.graphs.hf import HFGraph
+            from server.graphs.hf import DEMO_SLOTS, HFGraph
 
-            return HFGraph(host.artifacts.hf, spec, device=device)
+            return HFGraph(host.artifacts.hf, spec, device=device, slots=hf_slots or DEMO_SLOTS)
         if kind == "null":
             from server.graphs.null import NULL_DECODE_BATCHES, NULL_GRAPH_WORDS, NULL_SLOTS, NullGraph
 
@@ -120,7 +121,7 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
     settings = settings or Settings()
     single_threaded_torch(host.graph_kind)
     return Engine(host.embedding, host.tokenizer, host.stop_token_ids,
-                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
+                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000, settings.max_batch),
                   max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
                   step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
                   constraints=host.grammar.matcher, max_batch=settings.max_batch)

@@ -151,7 +151,8 @@ class Engine:
     @property
     def step_batches(self) -> dict[int, int]:
         """Rows per graph call -> how many calls had that many (prefill chunks are calls of one row)."""
-        return dict(self._watch.steps)
+        with self._cond:
+            return dict(self._watch.steps)
 
     @property
     def admitted(self) -> int:

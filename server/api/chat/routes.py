@@ -250,7 +250,9 @@ class OpenAIRoutes:
     def _model_card(self) -> dict[str, Any]:
         name = self.prompts.model.name
         return {"id": name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
-                "root": name, "parent": None, "max_model_len": self.prompts.model.max_total}
+                "root": name, "parent": None, "max_model_len": self.prompts.model.max_total,
+                # how many generations run at once (KV slots in use together; 0 while the graph loads)
+                "max_concurrency": self.service.engine.capacity}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
