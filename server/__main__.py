@@ -63,7 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
     bench.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     add_options(bench, names=("cache_dir",))  # where the real-size table is cached
-    bench.add_argument("--tokens", type=int, default=200, help="generated tokens per measured stream (default: 200)")
+    bench.add_argument("--tokens", type=int, default=None, help="generated tokens per measured stream (default: 200; "
+                       "--concurrency: 64)")
+    bench.add_argument("--concurrency", type=_counts, default=None, metavar="N,N,...",
+                       help="several streams at once instead (e.g. 1,2,4,8): aggregate tok/s, inter-token latency, a "
+                       "late arrival's TTFT, host time per step per row; the null graph with roofline step times, or "
+                       "--artifacts DIR --graph jit")
+    bench.add_argument("--artifacts", type=Path, default=None, help="with --concurrency: a v3 build to measure")
+    bench.add_argument("--graph", dest="bench_graph", default="jit", help="with --artifacts: its graph kind (jit)")
     parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     load = parts.add_parser("load", help="anonymous memory while a graph loads (v2 separate weights vs inside)")
@@ -74,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("cfg", type=Path, metavar="CFG_DIR", help="a tokenizer directory, e.g. the demo's cfg/")
     masks.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results here")
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(part) for part in text.split(",") if part.strip())
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"stream counts must be positive integers, got {text!r}")
+    return counts
 
 
 def _setup_logging(level: str) -> None:
@@ -127,11 +141,24 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"error: {exc}", file=sys.stderr)
         return 2
     assert settings.cache_dir is not None  # from_cli fills in the default
+    if args.command == "bench" and args.concurrency is not None:
+        import json
+
+        from server.tools.bench.concurrency import measure_concurrency, print_concurrency
+
+        _setup_logging("warning")
+        results = measure_concurrency(args.concurrency, cache_root=settings.cache_dir, artifacts=args.artifacts,
+                                      graph=args.bench_graph, tokens=args.tokens or 64)
+        print_concurrency(results)
+        print(json.dumps(results))
+        if args.json_path is not None:
+            args.json_path.write_text(json.dumps(results) + "\n", encoding="utf-8")
+        return 0
     if args.command == "bench":
         from server.tools.bench.host import run_bench
 
         _setup_logging("warning")
-        return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens)
+        return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens or 200)
     _setup_logging(settings.log_level)
     from server.app.serve import listen, serve
 

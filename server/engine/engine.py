@@ -154,6 +154,11 @@ class Engine:
         with self._cond:
             return dict(self._watch.steps)
 
+    def device_totals(self) -> tuple[int, float]:
+        """(graph calls, seconds inside them) since the engine started: the rest of the worker's time is the host's."""
+        with self._cond:
+            return self._watch.calls, self._watch.device_s
+
     @property
     def admitted(self) -> int:
         return len(self._live)

@@ -41,6 +41,8 @@ class DeviceWatch:
     abandoned: bool = False  # the watchdog gave up on the current call
     stall: str | None = None  # why, until that call returns
     steps: dict[int, int] = field(default_factory=dict)  # rows per graph call -> how many calls had that many
+    calls: int = 0  # every graph call so far
+    device_s: float = 0.0  # and the time inside them
 
     def recovered(self) -> None:
         """An abandoned call has returned (or raised): the device answers again."""
@@ -138,6 +140,8 @@ class Runner:
             with self._lock:
                 watch.step_started, watch.rows = None, ()
                 watch.steps[len(rows)] = watch.steps.get(len(rows), 0) + 1
+                watch.calls += 1
+                watch.device_s += device_s
                 abandoned = watch.abandoned
             for seq in rows:
                 seq.graph_calls += 1
