@@ -395,3 +395,24 @@ def test_the_null_graph_answers_protocol_v3_in_any_batch(rows: int) -> None:
     assert logits.shape == (rows, 64) and logits.argmax(1).tolist() == [7] * rows
     with pytest.raises(ValueError, match="distinct"):
         graph.decode(torch.zeros(2, 1, 8), torch.zeros(2, 1, dtype=torch.long), [1, 1])
+
+
+def test_a_drain_lets_every_running_row_and_the_queue_finish() -> None:
+    """What SIGTERM does (server.api.service.Service.drain): no new requests, every admitted one runs to its end."""
+    graph = Recording()
+    engine = started(graph)
+
+    async def scenario() -> list[Finish]:
+        handles = [engine.submit(request(prompt_of(10, seed=i), 40)) for i in range(6)]
+        await until(lambda: (engine.running, engine.queue_depth) == (4, 2), "four running, two queued")
+        engine.drain()
+        with pytest.raises(Exception, match="draining"):
+            engine.submit(request(prompt_of(10, seed=9), 4))
+        assert await engine.wait_idle(30)
+        return [(await h.result()).finish for h in handles]
+
+    try:
+        finishes = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert [(f.reason, f.completion_tokens) for f in finishes] == [("length", 40)] * 6
+    finally:
+        engine.stop()
