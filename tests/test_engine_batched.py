@@ -416,3 +416,27 @@ def test_a_drain_lets_every_running_row_and_the_queue_finish() -> None:
         assert [(f.reason, f.completion_tokens) for f in finishes] == [("length", 40)] * 6
     finally:
         engine.stop()
+
+
+def test_a_rows_timeout_and_stop_string_end_that_row_alone() -> None:
+    """Per row: a stop string ends one stream, a wall-clock limit another; the streams beside them go on."""
+    graph = Recording()
+    engine = started(graph)
+
+    async def scenario() -> tuple[Completion, Completion, list[Completion]]:
+        others = [engine.submit(request(prompt_of(10, seed=i), 3000)) for i in range(2)]
+        stopped = engine.submit(request(prompt_of(12, seed=5), 3000, stop=(" a a a",)))
+        limited = engine.submit(request(prompt_of(14, seed=6), 3000, timeout_s=0.3))
+        first, second = await stopped.result(), await limited.result()
+        assert engine.running == 2  # the two others still decode
+        for handle in others:
+            handle.cancel()
+        return first, second, [await h.result() for h in others]
+
+    try:
+        stopped, limited, others = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert stopped.finish.reason == "stop" and stopped.text == "" and len(stopped.token_ids) == 3  # cut where it began
+        assert limited.finish.reason == "length" and limited.finish.timed_out and limited.finish.completion_tokens > 0
+        assert all(c.finish.reason == "cancelled" for c in others)
+    finally:
+        engine.stop()

@@ -87,7 +87,7 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0, hf_s
 
             path = host.artifacts.graph_file
             assert path is not None
-            if spec.v3:  # the engine of today drives its slot 0 (JitGraphV3.forward); a scheduler drives them all
+            if spec.v3:  # protocol v3 natively: the engine's scheduler drives every slot
                 return JitGraphV3(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             if spec.v2:
                 return JitGraphV2(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
