@@ -248,6 +248,25 @@ def test_a_poisoned_slot_leaks_into_no_other(host: Host, reference: torch.nn.Mod
         if name.endswith(("k_cache", "v_cache")):
             assert torch.isfinite(buf[:3]).all(), name  # spare rows wrote into the real rows' slots only
             assert torch.isnan(buf[3]).all(), name  # and never into the poisoned one
+    # Slot 3 rewound and refilled over stale garbage (large but finite, as real stale KV is): the new conversation
+    # sees only what it wrote, beside slot 0 carrying on.
+    with torch.no_grad():
+        for name, buf in graph.module.named_buffers():
+            if name.endswith(("k_cache", "v_cache")):
+                buf[3] = 1e4 * torch.randn(buf[3].shape, generator=torch.Generator().manual_seed(len(name)))
+    assert graph.rewind_slot(3, 0) == 0
+    fresh = Conversation(prompt_of(41, seed=60), 14, join_step=0, slot=3)
+    fresh.out.append(prefill(graph, host, fresh, 0))
+    carry = Conversation(convs[0].ids, 0, join_step=0, slot=convs[0].slot)  # its next input: convs[0].out[-1]
+    while len(fresh.out) < fresh.new_tokens:
+        rows = [fresh, carry]
+        embeds = torch.cat([host.embedding.lookup([c.ids[-1]]) for c in rows])  # [2, 1, H]
+        positions = torch.tensor([[len(c.ids) - 1] for c in rows])  # [2, 1]
+        for conv, row in zip(rows, graph.decode(embeds, positions, [c.slot for c in rows]), strict=True):
+            conv.out.append(int(row.argmax()))
+    assert fresh.out == expected(reference, fresh.prompt, fresh.new_tokens)
+    assert len(carry.out) == fresh.new_tokens - 1
+    assert convs[0].out + carry.out == expected(reference, convs[0].prompt, convs[0].new_tokens + len(carry.out))
 
 
 def run_together_on(graph: JitGraphV3, host: Host, convs: list[Conversation], slots: list[int]) -> None:

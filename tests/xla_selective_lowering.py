@@ -7,7 +7,7 @@ Run in a torch-xla venv (torch 2.9.0, torch-xla 2.9.0, transformers, safetensors
 
 Prints one JSON object: per quant, per graph the compilations each call caused (pass: [1, 0, 0]), the aten::
 fallback counters (pass: none), the gathers in each graph's HLO (decode: the experts' rows and scales, 4 per layer
-for int8, on top of the router's per-expert scale; prefill: none beyond the router's) and how many distinct
+and routed-expert slot for int8, on top of the router's per-expert scale; prefill: none beyond the router's) and how many distinct
 routings the decode calls took. Lowering is necessary for neuronx-cc, not sufficient.
 """
 

@@ -32,6 +32,18 @@ per call. ``--weights separate`` traces the graph without weights and writes eac
 ``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxD's own names; the server memory-maps them). graph.json
 records every shape the host needs (buckets, kv_slots, sliding_window, inputs/outputs, weights).
 
+Contract v3 ("gemma4-optb/v3", ``--contract v3 --kv-slots S --decode-batches 1,2,4``), several conversations:
+
+    model(inputs_embeds f32 [B,T,H], position_ids int64 [B,T], slot_ids int64 [B]) -> (logits f32 [B,T,V], *kv)
+
+The graph keeps S independent KV caches (per layer [S, kv_heads, R, D], each slot one v2 ring). B == 1 and T a
+prefill bucket: a prefill into slot ``slot_ids[0]``; T == 1 and B one of ``--decode-batches``: a decode step, row b
+reading and writing only slot ``slot_ids[b]`` at its own position, with its own ring mask (``SlotRingCache``,
+``ring_mask``). Decode graphs gather the routed experts while B tokens read less than all of them
+(``decode_experts``), dense above. graph.json adds ``kv_slots`` (S), ``decode_batches``, ``ring_slots`` (v2's
+``kv_slots`` map, renamed: ``kv_slots`` is S here) and every cache shape. A batch the host rounds up to a compiled
+size fills its spare rows without touching another slot (graphs/jit.py ``JitGraphV3``).
+
 Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
 layer scalars). Only what does not trace or shard is swapped:
   * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
@@ -55,6 +67,9 @@ Usage:
         (torch-xla on CPU; lowering is necessary for neuronx-cc, not sufficient)
     python tp_mb_moe_sqz.py --roofline --config CONFIG_JSON [--tp 2] [--attn-quant int8|none] [--json]  # a projection
     python tp_mb_moe_sqz.py --bench-experts [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    python tp_mb_moe_sqz.py --bench-batched [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
+    python tp_mb_moe_sqz.py --slot-table --contract v3 --config CONFIG_JSON [--max-total ...] [--json]  # projection
+    v3 flags: --contract v3 --kv-slots S --decode-batches 1,2,4 (reports take them too)
     Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
                  --attn-quant none|int8 (attention projections per-channel int8 as well).
 """
@@ -281,8 +296,13 @@ class ShardLinear(nn.Module):
         dtype: torch.dtype,
         coll: Collectives,
         gather_output: bool = False,
+        weight_left: bool = False,
     ) -> None:
         super().__init__()
+        # weight_left: compute y^T = W @ x^T (the lm_head). For a few rows against a vocabulary-sized W, MKL runs that
+        # form 2-3x faster than F.linear's x @ W^T on CPU (26 vs 32 ms for 1 row, 16 vs 42 ms for 4, at 262144 x
+        # 256 f32); the same products and sums. The output is then transposed, which only the logits can afford.
+        self.weight_left = weight_left
         if mode not in ("replicated", "col", "row"):
             raise ValueError(f"unknown mode {mode!r}")
         split_dim = {"col": 0, "row": 1}.get(mode)
@@ -307,12 +327,11 @@ class ShardLinear(nn.Module):
                 mark_parallel(self.weight, split_dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_local] -> [..., out_local] (or [..., out])
+        weight = self.qweight.to(x.dtype) if self.quant else self.weight  # [out_local, in_local]
+        y = torch.matmul(weight, x.mT).mT if self.weight_left else F.linear(x, weight)  # [..., out_local]
         if self.quant:
             # Per-output-channel scale commutes with the matmul: scale the [.., out] result, not the weight.
-            y = F.linear(x, self.qweight.to(x.dtype))  # [..., out_local]
             y = (y.float() * self.scale).to(x.dtype)
-        else:
-            y = F.linear(x, self.weight)  # [..., out_local]
         if self.mode == "row":
             y = self.coll.all_reduce(y)
         elif self.mode == "col" and self.gather_output:
@@ -471,7 +490,13 @@ class SelectiveExperts(DenseExperts):
             tokens = int(hidden_states.shape[0])
         if tokens > self.selective_tokens:
             return super().forward(hidden_states, top_k_index, top_k_weights)
-        return self.coll.all_reduce(self.routed(hidden_states, top_k_index, top_k_weights))
+        # One routed expert slot at a time (K is fixed, so one trace serves every N): slot k's gather of N experts
+        # ([N, 2I_l, H], 4 MB f32 at N = 4 on the bench config) stays in the CPU's cache between its widening to f32
+        # and the matmul that reads it; all N * K at once (32 MB) do not, and a 4-row decode step then cost 16x a
+        # one-row step in the experts, not 4x. The same rows and bytes are read: K gathers of N instead of one of N*K.
+        partial = [self.routed(hidden_states, top_k_index[:, k : k + 1], top_k_weights[:, k : k + 1])
+                   for k in range(self.top_k)]  # K x [N, H]
+        return self.coll.all_reduce(functools.reduce(torch.add, partial))  # [N, H]
 
     def routed(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -479,19 +504,26 @@ class SelectiveExperts(DenseExperts):
         """Gather the routed experts' weights (this rank's slice of I) and run only those."""
         dtype = hidden_states.dtype
         weights = top_k_weights.to(dtype)  # [N, K]
+        flat = top_k_index.reshape(-1)  # [N * K]
+
+        def pick(table: torch.Tensor) -> torch.Tensor:  # [E, ...] -> [N, K, ...]: the only expert rows read
+            # index_select, not table[top_k_index]: the same gather in the HLO, but on CPU a copy of whole rows
+            # instead of advanced indexing's element loop (20-40x faster for int8 rows).
+            return table.index_select(0, flat).reshape(*top_k_index.shape, *table.shape[1:])
+
         if self.quant:
-            gate_up_w = self.gate_up_qweight[top_k_index].to(dtype)  # [N, K, 2I_l, H]: the only expert rows read
+            gate_up_w = pick(self.gate_up_qweight).to(dtype)  # [N, K, 2I_l, H]
             gate_up = torch.einsum("nh,nkoh->nko", hidden_states, gate_up_w)  # [N, K, 2I_l]
-            gate_up = (gate_up.float() * self.gate_up_scale[top_k_index]).to(dtype)
+            gate_up = (gate_up.float() * pick(self.gate_up_scale)).to(dtype)
         else:
-            gate_up = torch.einsum("nh,nkoh->nko", hidden_states, self.gate_up_proj[top_k_index])  # [N, K, 2I_l]
+            gate_up = torch.einsum("nh,nkoh->nko", hidden_states, pick(self.gate_up_proj))  # [N, K, 2I_l]
         gate, up = gate_up.chunk(2, dim=-1)  # [N, K, I_l] each
         inner = self.act_fn(gate) * up * weights.unsqueeze(-1)  # [N, K, I_l]
         if self.quant:
-            down_w = self.down_qweight[top_k_index].to(dtype)  # [N, K, H, I_l]
+            down_w = pick(self.down_qweight).to(dtype)  # [N, K, H, I_l]
             per_expert = torch.einsum("nki,nkhi->nkh", inner, down_w)  # [N, K, H]
-            return (per_expert.float() * self.down_scale[top_k_index]).sum(dim=1).to(dtype)  # [N, H]
-        return torch.einsum("nki,nkhi->nh", inner, self.down_proj[top_k_index])  # [N, H]
+            return (per_expert.float() * pick(self.down_scale)).sum(dim=1).to(dtype)  # [N, H]
+        return torch.einsum("nki,nkhi->nh", inner, pick(self.down_proj))  # [N, H]
 
     def extra_repr(self) -> str:
         return (
@@ -773,6 +805,7 @@ class RecipeModel(nn.Module):
             dtype=dtype,
             coll=coll,
             gather_output=True,
+            weight_left=True,
         )
         self._cast_floats(dtype)
         for p in self.parameters():
@@ -1119,6 +1152,50 @@ def residency(
     return sizes
 
 
+# What a v3 build may hold per NeuronCore: 15 GB of its 16, the rest left to the runtime and the compiler's own buffers.
+CORE_BUDGET_BYTES = 15 * 10**9
+SLOT_TABLE_SLOTS = (1, 2, 3, 4, 6, 8)
+SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768)
+
+
+def fits_core(sizes: Mapping[str, int]) -> bool:
+    """Resident bytes plus the larger of the two scratch estimates (a call is a prefill or a decode) within budget."""
+    scratch = max(sizes.get("prefill_scratch_estimate", 0), sizes.get("decode_scratch_estimate", 0))
+    return sizes["total"] + scratch <= CORE_BUDGET_BYTES
+
+
+def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decode_batches: tuple[int, ...] = (1, 2, 4),
+               slots: Iterable[int] = SLOT_TABLE_SLOTS, max_totals: Iterable[int] = SLOT_TABLE_MAX_TOTAL) -> dict:
+    """Per attention mode and MAX: per-rank bytes (resident + scratch) of each slot count, and the most slots that fit."""
+    table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
+                   "tp": tp, "quant": quant, "prefill_buckets": list(buckets), "rows": []}
+    for attn_quant in QUANT_MODES:
+        for max_total in max_totals:
+            row = {"attn_quant": attn_quant, "max_total": max_total, "bytes": {}, "max_slots": 0}
+            for s in slots:
+                batches = tuple(b for b in decode_batches if b <= s)
+                sizes = residency(text_config, tp, quant, max_total, contract="v3", buckets=buckets,
+                                  attn_quant=attn_quant, kv_slots=s, decode_batches=batches)
+                row["bytes"][str(s)] = sizes["total"] + max(sizes["prefill_scratch_estimate"],
+                                                            sizes["decode_scratch_estimate"])
+                if fits_core(sizes):
+                    row["max_slots"] = s
+            table["rows"].append(row)
+    return table
+
+
+def print_slot_table(table: Mapping, as_json: bool) -> None:
+    slots = list(table["rows"][0]["bytes"])
+    print(f"PROJECTION: per-rank GB (resident + scratch) by KV slots, tp={table['tp']}, quant={table['quant']}, "
+          f"buckets {table['prefill_buckets']}; fits = within {table['budget_bytes'] / 1e9:.0f} GB of the core's 16")
+    print(f"  {'attention':<9} {'MAX':>6} " + " ".join(f"{s + ' slots':>9}" for s in slots) + "  most that fit")
+    for row in table["rows"]:
+        cells = " ".join(f"{row['bytes'][s] / 1e9:9.2f}" for s in slots)
+        print(f"  {row['attn_quant']:<9} {row['max_total']:>6} {cells}  {row['max_slots']}")
+    if as_json:
+        print(json.dumps(table))
+
+
 def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: int, as_json: bool,
                     contract: str = "v1", extra: str = "") -> None:
     print(f"per-rank device residency (contract {contract}, tp={tp}, quant={quant}, MAX={max_total}{extra}, "
@@ -1126,6 +1203,8 @@ def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: in
     for comp in (*COMPONENTS, "total", "prefill_scratch_estimate", "decode_scratch_estimate"):
         if comp in sizes:
             print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
+    verdict = "fits" if fits_core(sizes) else "does NOT fit"
+    print(f"  resident + the larger scratch {verdict} in {CORE_BUDGET_BYTES / 1e9:.0f} GB per core")
     if as_json:
         print(json.dumps({k: int(v) for k, v in sizes.items()}))
 
@@ -1557,6 +1636,102 @@ def bench_experts(
         "speedup": round(medians["dense"] / medians["selective"], 2),
         "max_abs_logit_diff": worst,
     }
+
+
+def keep_freed_memory() -> str:
+    """glibc returns blocks of 32 MB and more to the OS on free, so a graph whose temporaries pass that size (the
+    int8 lm_head widened per call, a 4-row expert gather) pays fresh page faults on every call, in proportion to the
+    bytes, whatever the rows. A caching allocator (jemalloc, tcmalloc: PyTorch's CPU inference advice) keeps them;
+    raising glibc's mmap and trim thresholds does the same in-process. Returns what was set, for the report."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return "default (no libc found)"
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
+    return "glibc mmap and trim thresholds 1 GiB (freed temporaries reused)" if ok else "default (mallopt refused)"
+
+
+def bench_batched(quant: str, steps: int, batches: tuple[int, ...] = (1, 2, 4), max_total: int = 512, bucket: int = 64,
+                  seed: int = 0, config: Mapping = BENCH_EXPERTS_CONFIG) -> dict:
+    """One v3 trace (selective experts, S = max(batches) slots), every slot prefilled; then each timed step decodes the
+    same rows as one call of every batch size (B = 4: slots 0..3; B = 2: slots 0, 1; B = 1: each slot alone), on the
+    same inputs at the same positions, so a shared machine's load hits every size alike and every row's logits can
+    be compared with its B = 1 run. The batch sizes run in turn within a step; medians are reported.
+    """
+    import statistics
+    import time
+
+    allocator = keep_freed_memory()
+    cfg = text_config_from_dict(config)
+    slots = max(batches)
+    plan = Plan(quant=quant, max_total=max_total, experts="selective", contract="v3", buckets=(bucket,),
+                kv_slots=slots, decode_batches=tuple(batches))
+    model = build_model(cfg, plan)
+    randomize(model, seed)
+    graph = trace_cpu(model, cfg, bucket)
+    gen = torch.Generator().manual_seed(seed + 1)
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    worst = {b: 0.0 for b in batches}
+    with torch.no_grad():
+        for slot in range(slots):
+            prompt = torch.randn(1, bucket, cfg.hidden_size, generator=gen)  # [1, bucket, H]
+            graph(prompt, torch.arange(bucket)[None], torch.tensor([slot]))
+        for step in range(steps + 2):  # the first two steps warm up (allocator, first-call paths) and are not timed
+            embeds = torch.randn(slots, 1, cfg.hidden_size, generator=gen)  # [S, 1, H]: one new token per slot
+            positions = torch.full((slots, 1), bucket + step, dtype=torch.int64)  # [S, 1]
+            logits: dict[int, torch.Tensor] = {}
+            for b in sorted(batches, reverse=True):
+                # B = 1 runs every slot alone (the reference rows); a larger B runs slots 0..B-1 in one call.
+                runs = [list(range(b))] if b > 1 else [[r] for r in range(slots)]
+                rows = []
+                for ids in runs:
+                    start = time.perf_counter()
+                    out = graph(embeds[ids], positions[ids], torch.tensor(ids))[0]  # [B, 1, V]
+                    elapsed = time.perf_counter() - start
+                    if step >= 2 and (b > 1 or ids == [0]):
+                        times[b].append(elapsed)
+                    rows.append(out[:, 0])
+                logits[b] = torch.cat(rows)  # [B or S, V]
+            for b in batches:  # B = 1 is the reference itself (0 by construction)
+                worst[b] = max(worst[b], float((logits[b][:b] - logits[1][:b]).abs().max()))
+    medians = {b: statistics.median(times[b]) for b in batches}
+    return {
+        "kind": "measurement (CPU, this machine; decode steps of one CPU-traced v3 graph)",
+        "allocator": allocator,
+        "config": {k: config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                          "num_experts", "top_k_experts", "moe_intermediate_size")},
+        "quant": quant,
+        "max_total": max_total,
+        "kv_slots": slots,
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "decode_experts": {str(b): path for b, path in decode_experts(plan, cfg).items()},
+        "batches": {str(b): {"step_ms": round(1e3 * medians[b], 2),
+                             "tok_s_per_stream": round(1 / medians[b], 2),
+                             "tok_s_aggregate": round(b / medians[b], 2),
+                             "max_abs_logit_diff_vs_b1": worst[b]} for b in batches},
+        "aggregate_speedup_vs_b1": {str(b): round(b * medians[1] / medians[b], 2) for b in batches},
+    }
+
+
+def print_bench_batched(result: Mapping, as_json: bool) -> None:
+    c = result["config"]
+    print(f"MEASURED on this CPU ({result['threads']} threads), batched decode of one traced v3 graph "
+          f"({result['kv_slots']} KV slots), quant={result['quant']}: vocab {c['vocab_size']}, hidden "
+          f"{c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_experts']} experts of "
+          f"{c['moe_intermediate_size']}, top-{c['top_k_experts']}")
+    print(f"  {'B':>3} {'experts':>9} {'ms/step':>9} {'tok/s/stream':>13} {'tok/s aggregate':>16} {'vs B=1':>7} "
+          f"{'max |logit - B=1|':>18}")
+    for b, row in result["batches"].items():
+        print(f"  {b:>3} {result['decode_experts'][b]:>9} {row['step_ms']:9.2f} {row['tok_s_per_stream']:13.2f} "
+              f"{row['tok_s_aggregate']:16.2f} {result['aggregate_speedup_vs_b1'][b]:6.2f}x "
+              f"{row['max_abs_logit_diff_vs_b1']:18.2e}")
+    if as_json:
+        print(json.dumps(result))
 
 
 def print_bench_experts(result: Mapping, as_json: bool) -> None:
@@ -2077,11 +2252,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reports.add_argument("--check-lowering", action="store_true",
                          help="lower every graph on torch-xla (CPU PJRT) with random weights: aten:: fallbacks and "
                               "compilations per call. Necessary for neuronx-cc, not sufficient")
+    reports.add_argument("--slot-table", action="store_true",
+                         help="v3: per-rank bytes of 1..8 KV slots at MAX 2k..32k, bf16 and int8 attention, and the "
+                              "most slots that fit 15 GB of a core (a projection)")
     reports.add_argument("--roofline", action="store_true",
                          help="per-rank bytes read per decoded token, dense vs selective, and projected tok/s")
     reports.add_argument("--bench-experts", action="store_true",
                          help="measure the CPU-traced decode step, dense vs selective experts, on a 128-expert config")
-    reports.add_argument("--steps", type=int, default=16, help="with --bench-experts: timed decode steps per graph")
+    reports.add_argument("--bench-batched", action="store_true",
+                         help="measure batched decode (B = 1, 2, 4 rows per step) of one CPU-traced v3 graph on the "
+                              "128-expert config, and each row's logits against its B = 1 run")
+    reports.add_argument("--steps", type=int, default=16,
+                         help="with --bench-experts / --bench-batched: timed decode steps per graph")
     reports.add_argument("--threads", type=int, default=1,
                          help="with --bench-experts: torch CPU threads (1: steadiest on a shared machine)")
     reports.add_argument("--config", type=Path, help="config.json for the reports")
@@ -2111,12 +2293,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         check_slots(plan_from_args(args))
     except ValueError as exc:
         p.error(str(exc))
-    if args.residency or args.check_lowering or args.roofline:
+    if args.residency or args.check_lowering or args.roofline or args.slot_table:
         if args.config is None and args.checkpoint is None:
             p.error("reports need --config CONFIG_JSON (or --checkpoint DIR)")
         if args.config is None:
             args.config = args.checkpoint / "config.json"
-    elif args.bench_experts:
+    elif args.bench_experts or args.bench_batched:
         pass  # builds its own config
     elif args.checkpoint is None or args.out is None:
         p.error("--checkpoint and --out are required (or use a report: --residency, --check-lowering, --roofline)")
@@ -2133,6 +2315,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots" if args.contract == "v3" else "")
         print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract, extra)
         return 0
+    if args.slot_table:
+        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets)), args.json)
+        return 0
     if args.check_lowering:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
         report = check_lowering(cfg, plan_from_args(args, dtype=DTYPES[args.dtype or "float32"]))
@@ -2143,6 +2329,10 @@ def main(argv: list[str] | None = None) -> int:
         report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket,
                           args.contract, tuple(args.prefill_buckets), args.kv_slots, tuple(args.decode_batches))
         print_roofline(report, args.json)
+        return 0
+    if args.bench_batched:
+        torch.set_num_threads(args.threads)
+        print_bench_batched(bench_batched(args.quant, args.steps), args.json)
         return 0
     if args.bench_experts:
         torch.set_num_threads(args.threads)
