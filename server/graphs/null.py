@@ -95,8 +95,11 @@ class NullGraph:
         rows = embeds.shape[0]  # embeds [B, 1, H], positions [B, 1]
         assert embeds.shape[1] == 1 and positions.shape == (rows, 1) and len(slots) == rows
         assert int(positions.max()) < self.max_total, "position beyond max_total"
-        self._check(list(slots))
-        batch = self._batch_for[rows]  # KeyError: more rows than the largest decode batch
+        ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+        self._check(ids)
+        batch = self._batch_for.get(rows)
+        if batch is None:
+            raise ValueError(f"{rows} rows: the largest decode batch is {self.decode_batches[-1]}")
         self.calls += 1
         if on_submit is not None:
             on_submit()
@@ -111,4 +114,6 @@ class NullGraph:
 
     def _check(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            if self.slots == 1:  # what OneSlot's adapters say
+                raise ValueError(f"a one-slot graph has slot 0 only, got slots {slots}")
             raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {slots}")
