@@ -382,10 +382,9 @@ class Engine:
     def _sweep(self) -> None:
         """A sequence still waiting for its prompt's next chunk that was cancelled ends now, not when its chunk comes
         up: checked between any two graph calls, so its slot is free within one step."""
-        for seq in self._scheduler.prefilling():
-            if seq.handle.cancelled.is_set():
-                seq.reason = "cancelled"
-                self._end(seq)
+        for seq in [seq for seq in self._scheduler.prefilling if seq.handle.cancelled.is_set()]:
+            seq.reason = "cancelled"
+            self._end(seq)
 
     def _step(self, step: Step) -> None:
         """Run one step, then postprocess: a decode step over its rows, or a prefill chunk (the prompt's last samples
@@ -411,14 +410,13 @@ class Engine:
             log.exception("request %s failed in the graph", ", ".join(seq.handle.request.request_id for seq in rows))
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
-        finally:
-            with self._cond:
-                self._watch.recovered()
         self._postprocess(rows, logits)
 
     def _fail(self, rows: collections.abc.Sequence[Sequence], error: str | None) -> None:
         """A step failed: its requests end with `error` (None: already ended by the watchdog), their slots reset (the
-        cache's contents are no longer trusted)."""
+        cache's contents are no longer trusted). An abandoned call has returned (or raised): the device answers again."""
+        with self._cond:
+            self._watch.recovered()
         for seq in rows:
             if seq.kv is not None:
                 seq.kv.reset()

@@ -18,6 +18,7 @@ A one-slot graph has capacity 1: one sequence prefills, then decodes, as it alwa
 from __future__ import annotations
 
 import collections
+import collections.abc
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -104,9 +105,10 @@ class Scheduler:
         self._last_was_prefill = False
         return DecodeStep(tuple(self._decoding)) if self._decoding else None
 
-    def prefilling(self) -> list[Sequence]:
-        """Sequences admitted whose prompt is not all in the cache yet (their cancellation is checked every step)."""
-        return list(self._prefilling)
+    @property
+    def prefilling(self) -> collections.abc.Sequence[Sequence]:
+        """Sequences admitted whose prompt is not all in the cache yet, in prefill order (read only)."""
+        return self._prefilling
 
     def remove(self, seq: Sequence) -> None:
         """`seq` ended: nothing of it is scheduled any more; its slot is free, its KV kept for a later turn."""
