@@ -32,7 +32,7 @@ from server.app.runtime import Host, build_engine, load_host
 from server.engine.engine import Engine
 from server.engine.types import GenerationRequest
 from server.sampling.params import SamplingParams
-from tests.support.api_fixtures import LiveServer, live_server, settings
+from tests.support.api_fixtures import LiveServer, live_server, metric, settings
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
 from tests.support.wait import wait_until
 from tests.test_recipe_v3 import BATCHES, SLOTS, build_args, checkpoint, expected, prompt_of, reference  # noqa: F401
@@ -111,6 +111,12 @@ def test_four_concurrent_greedy_streams_equal_transformers(server: LiveServer, h
     texts = asyncio.run(over_http())
     for prompt, text in zip(prompts(), texts, strict=True):
         assert text == host.tokenizer.decode(expected(reference, prompt, NEW), skip_special_tokens=True)
+    # What a client and a scraper are told: how many run at once, and the calls by batch size.
+    (card,) = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert card["max_concurrency"] == SLOTS
+    assert metric(server.url, "gemma4_max_concurrency") == SLOTS
+    assert metric(server.url, "gemma4_graph_steps_total", rows="4") == engine.step_batches[4] > 0
+    assert metric(server.url, "gemma4_slot_occupancy") == 0.0  # all done
 
 
 async def completion_text(client: httpx.AsyncClient, prompt: list[int], **fields: Any) -> str:
