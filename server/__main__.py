@@ -75,8 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(bench, names=("cache_dir",), helps={
         "cache_dir": "where the bench keeps its 1.5 GB table of the 26B's shapes and the tokenizer's start-up caches "
                      "(built on the first run, reused after)"})
-    bench.add_argument("--tokens", type=int, default=200, metavar="N",
-                       help="generated tokens per measured stream (default: 200)")
+    bench.add_argument("--tokens", type=int, default=None, metavar="N",
+                       help="generated tokens per measured stream (default: 200; --concurrency: 64)")
+    bench.add_argument("--concurrency", type=_counts, default=None, metavar="N,N,...",
+                       help="several streams at once instead (e.g. 1,2,4,8): aggregate tok/s, inter-token latency, a "
+                       "late arrival's TTFT, host time per step per row; the null graph with roofline step times, or "
+                       "--artifacts DIR --graph jit")
+    bench.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
+                       help="with --concurrency: a v3 build to measure")
+    bench.add_argument("--graph", dest="bench_graph", default="jit", choices=GRAPH_KINDS,
+                       help="with --artifacts: its graph kind (default: jit)")
     parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     load = parts.add_parser("load", help="anonymous memory while a graph loads (v2 separate weights vs inside)")
@@ -89,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
                        help="also write the results here, as one JSON object")
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(part) for part in text.split(",") if part.strip())
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"stream counts must be positive integers, got {text!r}")
+    return counts
 
 
 def _setup_logging(level: str) -> None:
@@ -155,11 +170,24 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         except DemoModelMissing as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "bench" and args.concurrency is not None:
+        import json
+
+        from server.tools.bench.concurrency import measure_concurrency, print_concurrency
+
+        _setup_logging("warning")
+        results = measure_concurrency(args.concurrency, cache_root=settings.cache_dir, artifacts=args.artifacts,
+                                      graph=args.bench_graph, tokens=args.tokens or 64)
+        print_concurrency(results)
+        print(json.dumps(results))
+        if args.json_path is not None:
+            args.json_path.write_text(json.dumps(results) + "\n", encoding="utf-8")
+        return 0
     if args.command == "bench":
         from server.tools.bench.host import run_bench
 
         _setup_logging("warning")
-        return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens)
+        return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens or 200)
     _setup_logging(settings.log_level)
     from server.app.serve import listen, serve
 

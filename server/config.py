@@ -104,6 +104,10 @@ class Settings:
     max_queue: int = _setting("--max-queue", "MAX_QUEUE", _positive_int, 16,
                               "generations admitted at once, the running one included (a request with n choices "
                               "takes n; 429 beyond)")
+    max_batch: int = _setting("--max-batch", "MAX_BATCH", _non_negative_int, 0,
+                              "most generations running at once, each in its own KV slot, decoded together (0: as many "
+                              "as the graph has slots; a one-slot graph runs one; --graph hf keeps this many caches, "
+                              "default 4)", shown="0 (the graph's)")
     max_n: int = _setting("--max-n", "MAX_N", _positive_int, 8,
                           "most choices one request may ask for: n, times the prompts of a /v1/completions list "
                           "(400 beyond; they are admitted together, so --max-queue bounds them too)")

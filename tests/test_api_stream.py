@@ -163,20 +163,28 @@ def test_client_disconnect_frees_the_device_within_one_step(slow: tuple[LiveServ
     wait_until(lambda: not engine.in_flight(), "every Finish to be received", 5)
 
 
-def test_a_queued_request_whose_client_leaves_never_runs(slow: tuple[LiveServer, SlowGraph]) -> None:
-    live, graph = slow
+def test_a_queued_request_whose_client_leaves_never_runs() -> None:
+    # One slot (--max-batch 1), so B has to queue behind A: with a free slot it would run at once.
+    live, graph = slow_server(max_queue=4, max_batch=1)
+    try:
+        queued_client_leaves(live, graph)
+    finally:
+        live.stop()
+
+
+def queued_client_leaves(live: LiveServer, graph: SlowGraph) -> None:
     engine = live.engine
     # A is held on the device until the server has seen B's client leave: however slow this machine is, A cannot
     # finish first and hand the device to a B nobody has cancelled yet.
     gate = threading.Event()
     gate.set()
-    inner_forward = graph.forward
+    inner_device = graph._device
 
-    def gated(*args: object, **kwargs: object) -> object:
+    def gated(on_submit: object) -> None:
         assert gate.wait(30), "the test never reopened the device"
-        return inner_forward(*args, **kwargs)  # type: ignore[arg-type]
+        inner_device(on_submit)  # type: ignore[arg-type]
 
-    graph.forward = gated  # type: ignore[method-assign]
+    graph._device = gated  # type: ignore[method-assign]
     a_body = {"prompt": "A", "max_tokens": 20, "temperature": 0, "stream": True}
     b_body = {"prompt": "B", "max_tokens": 20, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=a_body, timeout=30) as a:

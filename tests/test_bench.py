@@ -70,3 +70,29 @@ def test_bench_constraints_runs_alone_on_a_tokenizer_dir(tmp_path: Path) -> None
     assert json.loads(done.stdout.strip().splitlines()[-1]) == results
     for case in ("json_schema", "json_object", "tool_call"):
         assert results[f"constraint_mask_ms_p50_{case}"] > 0, (case, sorted(results))
+
+
+CONCURRENCY_KEYS = {"aggregate_tok_s", "itl_ms_p50", "itl_ms_p99", "late_ttft_ms", "late_ttft_steps", "device_step_ms",
+                    "host_ms_per_step", "host_ms_per_step_per_row", "host_share_of_step"}
+
+
+@pytest.mark.slow
+def test_bench_concurrency_reports_by_stream_count(tmp_path: Path) -> None:
+    """`bench --concurrency 1,2`: the null graph with roofline step times, every figure per stream count and sampling
+    (keyed by the count, as the JSON says), and the late arrival's first token within its prefill and two steps."""
+    out = tmp_path / "concurrency.json"
+    done = subprocess.run([sys.executable, "-m", "server", "bench", "--concurrency", "1,2", "--tokens", "8", "--json",
+                           str(out), "--cache-dir", str(cache_root())], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    assert "roofline" in results["graph"]
+    for count in ("1", "2"):
+        for sampling in ("greedy", "default"):
+            row = results[count][sampling]
+            assert set(row) >= CONCURRENCY_KEYS, (count, sampling, sorted(row))
+            assert all(math.isfinite(v) for v in row.values())
+            assert 1 <= row["late_ttft_steps"] <= 3  # its prefill, after at most the step running and one more
+    assert results["1"]["greedy"]["aggregate_vs_one_stream"] == 1.0
+    # The roofline's batch of 2 takes longer than a batch of 1 (a device step, slept by the null graph).
+    assert results["2"]["greedy"]["device_step_ms"] > results["1"]["greedy"]["device_step_ms"]

@@ -252,3 +252,31 @@ def test_gemma3_270m_knows_the_capital_of_france() -> None:
         assert finish.reason in ("stop", "length")
     finally:
         engine.stop()
+
+
+def test_two_chats_stream_together_on_the_hf_graph(tiny_engine: Engine, reference_model: torch.nn.Module) -> None:
+    """The demo serves several users at once: the hf graph keeps a cache per slot and a decode step runs each row on
+    its own, so two requests interleave token by token, and each is still exactly what generate() gives alone."""
+    assert tiny_engine.capacity >= 2
+    prompts = [prompt_of(9, seed=21), prompt_of(BUCKET + 3, seed=22)]
+    order: list[int] = []  # which request each token came from, in arrival order
+
+    async def one(index: int, handle: object) -> list[int]:
+        ids = []
+        async for event in handle.events():  # type: ignore[attr-defined]
+            if isinstance(event, Finish):
+                return ids
+            if event.token_id is not None:
+                ids.append(event.token_id)
+                order.append(index)
+        raise AssertionError("no Finish")
+
+    async def together() -> list[list[int]]:
+        handles = [tiny_engine.submit(GenerationRequest(prompt_ids=tuple(p), max_new_tokens=12, sampling=GREEDY,
+                                                        ignore_eos=True)) for p in prompts]
+        return list(await asyncio.gather(*(one(i, h) for i, h in enumerate(handles))))
+
+    outputs = asyncio.run(together())
+    for prompt, ids in zip(prompts, outputs, strict=True):
+        assert ids == generate_ids(reference_model, prompt, 12)
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # the second streamed before the first ended

@@ -2,14 +2,17 @@
 
 Request counts come from `MetricsMiddleware` (every route, every status, including 404s and auth failures);
 token counts and latencies come from the engine's `Finish` events, the inter-token gaps from the arrival of
-`Delta` events on the event loop. Queue depth and running are read from the engine at scrape time.
+`Delta` events on the event loop. Queue depth, running, the slots and the graph calls by batch size are read from the
+engine at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.given import EngineAPI
@@ -46,8 +49,13 @@ class Metrics:
         self.queue_wait = histogram("queue_wait_seconds", "Submission to start on the device")
         Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the device", registry=r).set_function(
             lambda: engine.queue_depth)
-        Gauge(f"{PREFIX}_requests_running", "Requests on the device (0 or 1)", registry=r).set_function(
-            lambda: engine.running)
+        Gauge(f"{PREFIX}_requests_running", "Requests on the device, each in its own KV slot (prefilling or "
+              "decoding), at most max_concurrency", registry=r).set_function(lambda: engine.running)
+        Gauge(f"{PREFIX}_max_concurrency", "Requests that can run at once (KV slots the engine uses; 1 for a one-slot "
+              "graph)", registry=r).set_function(lambda: engine.capacity)
+        Gauge(f"{PREFIX}_slot_occupancy", "Share of those slots running a request now (requests_running / "
+              "max_concurrency)", registry=r).set_function(lambda: engine.running / max(engine.capacity, 1))
+        r.register(_StepCollector(engine))
 
     def observe_finish(self, finish: Finish) -> None:
         self.finished.labels(finish.reason).inc()
@@ -68,6 +76,21 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StepCollector(Collector):
+    """Graph calls by how many rows they ran (a decode step's batch size; a prefill chunk is a call of one row), read
+    from the engine at scrape time: the batch size per step, as a histogram has it, without a hook per step."""
+
+    def __init__(self, engine: EngineAPI) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(f"{PREFIX}_graph_steps", "Graph calls by the rows they ran (decode batch size; "
+                                     "prefill chunks have one)", labels=["rows"])
+        for rows, calls in sorted(self.engine.step_batches.items()):
+            family.add_metric([str(rows)], calls)
+        yield family
 
 
 class MetricsMiddleware:

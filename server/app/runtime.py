@@ -92,8 +92,9 @@ def _grammar_vocab(tokenizer: HostTokenizer, vocab_size: int, stops: tuple[int, 
     return vocab
 
 
-def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> Callable[[], Graph]:
-    """A zero-argument factory the engine calls on its own thread."""
+def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0, hf_slots: int = 0) -> Callable[[], Graph]:
+    """A zero-argument factory the engine calls on its own thread. `hf_slots`: the reference graph's caches (0: its
+    demo default, graphs.hf.DEMO_SLOTS)."""
     kind, spec, structure = host.graph_kind, host.spec, host.structure
 
     def load() -> Graph:
@@ -102,25 +103,28 @@ def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0) -> C
 
             path = host.artifacts.graph_file
             assert path is not None
-            if spec.v3:  # the engine of today drives its slot 0 (JitGraphV3.forward); a scheduler drives them all
+            if spec.v3:  # protocol v3 natively: the engine's scheduler drives every slot
                 return JitGraphV3(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             if spec.v2:
                 return JitGraphV2(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             return JitGraph(path, spec, vocab_size=structure.vocab_size, sliding_window=structure.sliding_window,
                             final_softcap=structure.final_softcap)
         if kind == "hf":
-            from server.graphs.hf import HFGraph
+            from server.graphs.hf import DEMO_SLOTS, HFGraph
 
-            return HFGraph(host.artifacts.hf, spec, device=device)
+            return HFGraph(host.artifacts.hf, spec, device=device, slots=hf_slots or DEMO_SLOTS)
         if kind == "null":
-            from server.graphs.null import NULL_GRAPH_WORDS, NullGraph
+            from server.graphs.null import NULL_DECODE_BATCHES, NULL_GRAPH_WORDS, NULL_SLOTS, NullGraph
 
             # Greedy repeats " a"; sampling draws among ordinary words, so every sampled token is a visible chunk.
             words = list(dict.fromkeys(host.tokenizer.encode(NULL_GRAPH_WORDS, add_special_tokens=False)))
             favoured, words = words[0], words[1:]
+            # As many KV slots as the artifact's v3 graph would have (else NULL_SLOTS): it serves several at once.
+            slots, batches = (spec.kv_slots, spec.decode_batches) if spec.v3 else (NULL_SLOTS, NULL_DECODE_BATCHES)
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
                              input_dtype=DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
-                             favoured_token=favoured, text_tokens=words, step_s=null_step_s)
+                             favoured_token=favoured, text_tokens=words, step_s=null_step_s, slots=slots,
+                             decode_batches=batches)
         raise ValueError(f"unknown graph kind {kind!r}")
 
     return load
@@ -133,7 +137,7 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
     settings = settings or Settings()
     single_threaded_torch(host.graph_kind)
     return Engine(host.embedding, host.tokenizer, host.stop_token_ids,
-                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000),
+                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000, settings.max_batch),
                   max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
                   step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
-                  constraints=host.grammar.matcher)
+                  constraints=host.grammar.matcher, max_batch=settings.max_batch)

@@ -1,13 +1,17 @@
-"""The device owner: one worker thread runs the loop schedule -> run one step -> postprocess, a bounded FIFO feeds it,
-asyncio queues carry small events back (the HTTP layer formats them). Here: lifecycle, admission, the watchdog, and
-how a request ends.
+"""The device owner: one worker thread runs the loop admit -> schedule -> run one step -> postprocess, a bounded FIFO
+feeds it, asyncio queues carry small events back (the HTTP layer formats them). Here: lifecycle, admission, the
+watchdog, and how a request ends; which step runs next is the scheduler's (server.engine.scheduler).
 
-- Batch size 1, one worker thread: the device holds one KV cache; the next request starts once the running one ended.
+- Continuous batching: the queue's oldest request takes a free KV slot as soon as there is one (up to the graph's
+  slots and --max-batch); the scheduler interleaves newcomers' prefill chunks with decode steps over every running
+  sequence. A one-slot graph runs one request at a time, as before: the next starts once the running one ended.
+- The choices of one request (n > 1: the same prompt, admitted together) run one after another in the same slot,
+  so each finds its prompt, and its logits, still in the cache: no prefill. The graph protocol has no slot copy.
 - `_retire` is the one way a request ends: it settles `admitted` and `running` before publishing the Finish, so a
   caller holding a Finish never reads a count that still includes its request.
-- A graph call that raises ends its request with an error and resets the cache; the next request runs. One that
-  stalls past `step_timeout_s` is abandoned by the watchdog: its request gets an error at once, and the engine
-  reports `error` until the call returns (Python cannot interrupt it).
+- A graph call that raises ends the requests of that step with an error and resets their slots; the other running
+  requests and the next ones run. One that stalls past `step_timeout_s` is abandoned by the watchdog: its requests
+  get an error at once, and the engine reports `error` until the call returns (Python cannot interrupt it).
 - The request stays a value: each run's Sequence and constraint matcher are built here (`_sequence`, `_constraint_for`).
 """
 
@@ -25,8 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from server.engine.buckets import buckets_of
-from server.engine.kv import KVSlot
-from server.engine.runner import Abandoned, DeviceWatch, Runner
+from server.engine.kv import KVSlots
+from server.engine.runner import Abandoned, DeviceWatch, Runner, slot_graph
 from server.engine.scheduler import DecodeStep, Scheduler, Step
 from server.engine.sequence import Sequence, finish_event
 from server.engine.types import Delta, EngineNotReady, Event, Finish, GenerationRequest, QueueFull, RequestHandle
@@ -34,7 +38,7 @@ from server.graphs.base import Graph
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
 from server.sampling.params import TokenConstraint
-from server.sampling.sampler import Sampler
+from server.sampling.sampler import Sampler, sample_rows
 
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
@@ -46,14 +50,13 @@ class Engine:
     """Owns the graph. `start()` loads it on the worker thread (HTTP can listen meanwhile), then serves."""
 
     # Made by `_load` once the graph is in; only the worker thread uses them, and only after that.
-    _kv: KVSlot
     _runner: Runner
     _scheduler: Scheduler
 
     def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
                  load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
                  step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
-                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None) -> None:
+                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None, max_batch: int = 0) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -65,6 +68,8 @@ class Engine:
         self.request_timeout_s = request_timeout_s
         self.step_timeout_s = step_timeout_s
         self.prefix_reuse = prefix_reuse  # off only to measure what it saves
+        self.max_batch = max_batch  # most sequences at once (0: as many as the graph holds)
+        self.capacity = 0  # how many run at once, known once the graph is in
 
         # What /health reports is derived from these, so no transition can undo another (a stall that
         # recovers during a drain must leave the server draining).
@@ -76,6 +81,8 @@ class Engine:
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._cond = threading.Condition()  # guards _queue, _live, _submitted, _stopping and _watch
         self._live: set[RequestHandle] = set()  # queued + running until their Finish: what --max-queue bounds
+        self._running: set[RequestHandle] = set()  # admitted to a slot, until their Finish
+        self._after: dict[RequestHandle, RequestHandle] = {}  # a queued choice -> the one it runs after (same prompt)
         self._submitted: dict[RequestHandle, None] = {}  # in submission order, until the caller has the Finish
         self._watch = DeviceWatch()
         self._threads: list[threading.Thread] = []
@@ -139,7 +146,18 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return 1 if self._watch.running is not None else 0
+        return len(self._running)
+
+    @property
+    def step_batches(self) -> dict[int, int]:
+        """Rows per graph call -> how many calls had that many (prefill chunks are calls of one row)."""
+        with self._cond:
+            return dict(self._watch.steps)
+
+    def device_totals(self) -> tuple[int, float]:
+        """(graph calls, seconds inside them) since the engine started: the rest of the worker's time is the host's."""
+        with self._cond:
+            return self._watch.calls, self._watch.device_s
 
     @property
     def admitted(self) -> int:
@@ -158,8 +176,9 @@ class Engine:
         return self.submit_all([request])[0]
 
     def submit_all(self, requests: collections.abc.Sequence[GenerationRequest]) -> list[RequestHandle]:
-        """Admits all of `requests` or none (QueueFull), queued back to back: the choices of one request (n > 1, a
-        list of prompts) run one after another, so each finds its prompt still in the cache (no prefill)."""
+        """Admits all of `requests` or none (QueueFull), queued back to back. Those with the same prompt (the choices
+        of one request, n > 1) run one after another in one slot, so each finds its prompt still in the cache (no
+        prefill); different prompts (a list of prompts) run side by side where there are slots."""
         state = self.state
         if state != "ok":
             raise EngineNotReady(state, self.state_reason)
@@ -167,9 +186,17 @@ class Engine:
         assert all(0 < len(r.prompt_ids) < self.graph.max_total for r in requests), "the HTTP layer checks the budget"
         loop = asyncio.get_running_loop()
         handles = [RequestHandle(request, loop) for request in requests]
+        last: dict[tuple[int, ...], RequestHandle] = {}
+        after = {}
+        for handle in handles:
+            before = last.get(handle.request.prompt_ids)
+            if before is not None:
+                after[handle] = before
+            last[handle.request.prompt_ids] = handle
         with self._cond:
             if len(self._live) + len(handles) > self.max_queue:
                 raise QueueFull(self.max_queue)
+            self._after.update(after)
             self._live.update(handles)
             self._queue.extend(handles)
             self._submitted.update(dict.fromkeys(handles))
@@ -179,13 +206,10 @@ class Engine:
     # ----------------------------------------------------------------- how a request ends (any thread)
 
     def _finish(self, handle: RequestHandle, reason: str, prompt: int | None = None, **extra: object) -> Finish:
-        """A Finish built outside its sequence (before it ran, or for a fault): no completion tokens, `prompt` the
-        prompt's length unless given, the device counters if it ran."""
-        watch = self._watch
-        ran = handle is watch.running and handle.started is not None
+        """A Finish built outside a sequence (the request never ran): no completion tokens, no graph calls, `prompt`
+        the prompt's length unless given."""
         prompt = len(handle.request.prompt_ids) if prompt is None else prompt
-        return finish_event(handle, reason, prompt, 0, graph_calls=watch.graph_calls if ran else 0,
-                            device_s=watch.device_s if ran else 0.0, **extra)
+        return finish_event(handle, reason, prompt, 0, **extra)
 
     def _retire(self, handle: RequestHandle, *events: Event) -> None:
         """The one way a request ends: its counts settled, then its last events, the Finish last. A request that
@@ -194,8 +218,8 @@ class Engine:
             if handle not in self._live:
                 return
             self._live.discard(handle)
-            if self._watch.running is handle:
-                self._watch.running = None
+            self._running.discard(handle)
+            self._after.pop(handle, None)
         for event in events:
             handle.publish(event)
 
@@ -227,24 +251,33 @@ class Engine:
             self._expire(handle)
 
     def _abandon_stalled(self) -> None:
-        """A graph call past the step timeout: its request ends with an error now; the engine reports the stall."""
+        """A graph call past the step timeout: its requests end with an error now; the engine reports the stall."""
         watch = self._watch
         with self._cond:
-            handle, started = watch.running, watch.step_started
-            if handle is None or started is None or watch.abandoned or time.monotonic() - started <= self.step_timeout_s:
+            rows, started = watch.rows, watch.step_started
+            if not rows or started is None or watch.abandoned or time.monotonic() - started <= self.step_timeout_s:
                 return
             message = f"graph call exceeded the {self.step_timeout_s:g} s step timeout"
             watch.abandoned, watch.stall = True, message
-            finish = self._finish(handle, "error", error=message)
-        log.error("request %s: %s; the device is marked unhealthy until it returns", handle.request.request_id, message)
-        self._retire(handle, finish)
+            # The worker is inside the call (it reads `abandoned` under this lock before touching these sequences
+            # again): what they hold is theirs to read here.
+            finishes = []
+            for seq in rows:
+                seq.reason, seq.error = "error", message
+                finishes.append((seq, seq.finish()[1]))
+        log.error("%s; the device is marked unhealthy until it returns", message)
+        for seq, finish in finishes:
+            self._retire(seq.handle, finish)
 
     # ----------------------------------------------------------------- worker thread
 
     def _worker(self) -> None:
         if self._load():
-            while (handle := self._next_request()) is not None:
-                self._run(handle)
+            while self._admit():
+                self._sweep()
+                step = self._scheduler.schedule()
+                if step is not None:
+                    self._step(step)
 
     def _load(self) -> bool:
         """Load the graph and what drives it; a failure is reported on /health, never raised into the void."""
@@ -252,57 +285,64 @@ class Engine:
             self.graph = graph = self._load_graph()
             if self._on_loaded is not None:
                 self._on_loaded()
+            slots = slot_graph(graph)
         except Exception as exc:  # noqa: BLE001 - reported by `state`
             log.exception("graph failed to load")
             self._load_error = f"graph failed to load: {type(exc).__name__}: {exc}"
             self._settled.set()
             return False
-        self._kv = KVSlot(graph.rewind)
-        self._runner = Runner(graph, self.embedding, self._cond, self._watch)
-        self._scheduler = Scheduler(buckets_of(graph))
+        self.capacity = min(slots.slots, max(slots.decode_batches), self.max_batch or slots.slots)
+        self._runner = Runner(slots, self.embedding, self._cond, self._watch, graph.max_total)
+        self._scheduler = Scheduler(buckets_of(graph), KVSlots(slots.rewind_slot, self.capacity), self.capacity,
+                                    prefix_reuse=self.prefix_reuse)
         self._loaded = True
         self._settled.set()
-        log.info("graph ready: %s, max_total=%d, bucket=%d", graph.name, graph.max_total, graph.prefill_bucket)
+        log.info("graph ready: %s, max_total=%d, bucket=%d, %d at once (%d KV slots, decode batches %s)", graph.name,
+                 graph.max_total, graph.prefill_bucket, self.capacity, slots.slots, list(slots.decode_batches))
         return True
 
-    def _next_request(self) -> RequestHandle | None:
-        """The oldest queued request, now the running one (waits for one); None once stopping, the queue ended."""
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if not self._stopping:
-                handle = self._queue.popleft()
-                self._watch.begin(handle)
-                return handle
-            queued = list(self._queue)
-            self._queue.clear()
+    def _admit(self) -> bool:
+        """Move queued requests into free slots (oldest first); wait for one while nothing runs. False once stopping
+        and nothing runs any more (the queue ended)."""
+        while True:
+            with self._cond:
+                while True:
+                    handle = None if self._stopping else self._admissible()
+                    if handle is not None or self._scheduler.busy or self._stopping:
+                        break
+                    self._cond.wait()
+                if handle is None:
+                    if self._stopping and not self._scheduler.busy:
+                        queued = list(self._queue)
+                        self._queue.clear()
+                        break
+                    return True
+                self._queue.remove(handle)
+                self._running.add(handle)
+            self._start(handle)
         for handle in queued:  # nobody may wait forever on a request the engine will never run
             self._retire(handle, self._finish(handle, "cancelled"))
+        return False
+
+    def _admissible(self) -> RequestHandle | None:
+        """The oldest queued request that may take a slot now (under the lock): none while the slots are full; a
+        choice waits for the one before it (the same prompt), which leaves its slot with the prompt cached."""
+        if not self._scheduler.has_room:
+            return None
+        for handle in self._queue:
+            before = self._after.get(handle)
+            if before is None or before not in self._live:
+                self._after.pop(handle, None)
+                return handle
         return None
 
-    def _run(self, handle: RequestHandle) -> None:
-        """One request on the device, step by step until it ended. A fault ends it with an error, resets the cache."""
-        try:
-            if handle.cancelled.is_set():
-                self._retire(handle, self._finish(handle, "cancelled", prompt=0))
-                return
-            self._start(handle)
-            while (step := self._scheduler.schedule()) is not None:
-                self._step(step)
-        except Abandoned:
-            self._kv.reset()
-        except Exception as exc:  # noqa: BLE001 - one request fails, the engine keeps serving
-            log.exception("request %s failed in the graph", handle.request.request_id)
-            self._kv.reset()
-            self._retire(handle, self._finish(handle, "error", error=f"{type(exc).__name__}: {exc}"))
-        finally:
-            self._scheduler.clear()  # whatever ended it, nothing of this request runs any more
-            with self._cond:
-                self._watch.recovered()
-
     def _start(self, handle: RequestHandle) -> None:
-        """Admit `handle` to the device: its Sequence, what the cache already holds of its prompt, its prefill plan."""
+        """Admit `handle` to the device: its Sequence, its slot (what the cache already holds of its prompt), its
+        prefill plan."""
         handle.started = time.monotonic()
+        if handle.cancelled.is_set():
+            self._retire(handle, self._finish(handle, "cancelled", prompt=0))
+            return
         if handle.started > self._deadline(handle):  # it ran out between two watchdog sweeps of the queue
             self._expire(handle)
             return
@@ -313,10 +353,9 @@ class Engine:
             log.exception("request %s could not start", handle.request.request_id)
             self._retire(handle, self._finish(handle, "error", error=f"{type(exc).__name__}: {exc}"))
             return
-        seq.reused_tokens, kept = self._kv.reuse(handle.request.prompt_ids, self.prefix_reuse)
-        self._scheduler.add(seq, seq.reused_tokens)
-        if kept is not None:  # the same prompt as the last one, all of it still in the cache: no prefill at all
-            self._postprocess(seq, kept)
+        kept = self._scheduler.add(seq)
+        if kept is not None:  # the same prompt as this slot's last one, all of it still in the cache: no prefill at all
+            self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
 
     def _sequence(self, handle: RequestHandle) -> Sequence:
         """What runs `handle`'s request: its sampler, detokenizer, stop matcher, constraint, budget and deadline."""
@@ -340,38 +379,69 @@ class Engine:
             raise RuntimeError("this engine was built without a constraint builder (see server.app.runtime.build_engine)")
         return self._constraints(request.constraint)
 
-    def _step(self, step: Step) -> None:
-        """Run one step, then postprocess: a decode step, or a prefill chunk (the prompt's last samples a token)."""
-        seq = step.seq
-        if isinstance(step, DecodeStep):
-            # The held Delta goes out when the graph submits this step (see server.engine.runner: publish on submit).
-            logits = self._runner.decode(self._kv, seq.token_ids[-1], on_submit=seq.publish_pending)  # [1, 1, V]
-        else:
-            if seq.handle.cancelled.is_set():  # checked between any two prefill calls: the device is free within one
-                seq.reason = "cancelled"
-                self._end(seq)
-                return
-            logits = self._runner.prefill(self._kv, seq.token_ids, step.begin, step.end, last=step.last)
-            seq.prefill_calls += 1
-            if not step.last:
-                return
-            self._kv.keep(seq.handle.request.prompt_ids, logits)  # [1, 1, V]
-        self._postprocess(seq, logits)
+    def _sweep(self) -> None:
+        """A sequence still waiting for its prompt's next chunk that was cancelled ends now, not when its chunk comes
+        up: checked between any two graph calls, so its slot is free within one step."""
+        for seq in [seq for seq in self._scheduler.prefilling if seq.handle.cancelled.is_set()]:
+            seq.reason = "cancelled"
+            self._end(seq)
 
-    def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """The next token from `logits` [1, 1, V] into the sequence: it ends there, or its Delta waits for the next step."""
-        # [1, 1, V] -> [V]: calls are last_only, so this is the last position (one torch call, [0, -1] is two)
-        delta = seq.append(seq.sampler.sample(logits.reshape(-1)))
-        if seq.reason is None:
-            seq.pending = delta
-        else:
-            self._end(seq, delta)
+    def _step(self, step: Step) -> None:
+        """Run one step, then postprocess: a decode step over its rows, or a prefill chunk (the prompt's last samples
+        its first token). A fault ends the step's requests (their slots reset); the others go on."""
+        rows = step.rows
+        try:
+            if isinstance(step, DecodeStep):
+                # The held Deltas go out when the graph submits this step (server.engine.runner: publish on submit).
+                logits = self._runner.decode(rows, on_submit=lambda: [seq.publish_pending() for seq in rows])  # [B, V]
+            else:
+                seq = step.seq
+                logits = self._runner.prefill(seq, step.begin, step.end, last=step.last)
+                seq.prefill_calls += 1
+                if not step.last:
+                    return
+                assert seq.kv is not None
+                seq.kv.keep(seq.handle.request.prompt_ids, logits)  # [1, 1, V]
+                logits = logits.reshape(1, -1)  # [1, V]
+        except Abandoned:  # the watchdog already ended these requests
+            self._fail(rows, None)
+            return
+        except Exception as exc:  # noqa: BLE001 - this step's requests fail, the engine keeps serving
+            log.exception("request %s failed in the graph", ", ".join(seq.handle.request.request_id for seq in rows))
+            self._fail(rows, f"{type(exc).__name__}: {exc}")
+            return
+        self._postprocess(rows, logits)
+
+    def _fail(self, rows: collections.abc.Sequence[Sequence], error: str | None) -> None:
+        """A step failed: its requests end with `error` (None: already ended by the watchdog), their slots reset (the
+        cache's contents are no longer trusted). An abandoned call has returned (or raised): the device answers again."""
+        with self._cond:
+            self._watch.recovered()
+        for seq in rows:
+            if seq.kv is not None:
+                seq.kv.reset()
+            self._scheduler.remove(seq)
+            seq.publish_pending()
+            if error is not None:
+                seq.reason, seq.error = "error", error
+                self._retire(seq.handle, seq.finish()[1])
+
+    def _postprocess(self, rows: collections.abc.Sequence[Sequence], logits: torch.Tensor) -> None:
+        """Each row's next token from its row of `logits` [B, V]: the sequence ends there, or its Delta waits for the
+        next step."""
+        for seq, result in zip(rows, sample_rows([seq.sampler for seq in rows], logits), strict=True):
+            delta = seq.append(result)
+            if seq.reason is None:
+                seq.pending = delta
+                self._scheduler.decodes(seq)
+            else:
+                self._end(seq, delta)
 
     def _end(self, seq: Sequence, last: Delta | None = None) -> None:
-        """`seq` ended (its reason set): its last token's Delta (out first: a failing flush cannot lose it), the
-        held-back text, then the Finish."""
+        """`seq` ended (its reason set): its slot freed, its last token's Delta (out first: a failing flush cannot lose
+        it), the held-back text, then the Finish."""
         self._scheduler.remove(seq)
         if last is not None:
             seq.handle.publish(last)
-        tail, finish = seq.finish(self._watch.graph_calls, self._watch.device_s)
+        tail, finish = seq.finish()
         self._retire(seq.handle, *(delta for delta in (tail,) if delta is not None), finish)

@@ -1,10 +1,15 @@
-"""The host's record of one KV slot (the cache itself lives with the graph): the token ids it holds, to find the
-longest common prefix with the next prompt, and the last prefilled prompt's logits, so the same prompt again (the
-2nd..nth choice of a request, a regenerated answer) costs no graph call. One slot today; one per slot with contract v3.
+"""The host's record of the graph's KV slots (the caches themselves live with the graph): per slot, the token ids it
+holds, to find the longest common prefix with the next prompt, and the last prefilled prompt's logits, so the same
+prompt again (the 2nd..nth choice of a request, a regenerated answer) costs no graph call.
 
 - The last prompt token is always recomputed when its logits were not kept: they are what the first token is
   sampled from, and the graph does not hand back logits it computed earlier.
 - The graph has the last word on what it can keep: `rewind` answers where it can really continue (server.graphs.base).
+- An idle slot keeps its KV until a newcomer needs it: `KVSlots.choose` gives a prompt the free slot holding the
+  longest prefix of it (a user's next turn finds its own conversation) when that prefix is at least half the prompt,
+  else the least recently used one (never-used slots first). The half is llama.cpp's --slot-prompt-similarity 0.5:
+  without it, a shared BOS or system prompt would send every newcomer into some other user's conversation and evict
+  it, while an empty slot stood by.
 """
 
 from __future__ import annotations
@@ -20,12 +25,25 @@ log = logging.getLogger(__name__)
 class KVSlot:
     """Token ids whose KV one graph slot holds (`tokens[p]` sits at position p), and the kept last-prefill logits."""
 
-    __slots__ = ("tokens", "_rewind", "_kept")
+    __slots__ = ("index", "tokens", "last_used", "_rewind", "_kept")
 
-    def __init__(self, rewind: Callable[[int], int]) -> None:
+    def __init__(self, rewind: Callable[[int], int], index: int = 0) -> None:
+        self.index = index  # the graph's slot id
         self.tokens: list[int] = []
-        self._rewind = rewind  # the graph's: forget positions >= p, answer where the next write must start
+        self.last_used = 0  # when it was last given to a sequence (a counter): the least recent is evicted first
+        self._rewind = rewind  # the graph's, for this slot: forget positions >= p, answer where the next write starts
         self._kept: tuple[list[int], torch.Tensor] | None = None  # (the last prefilled prompt, its last logits [1, 1, V])
+
+    def match(self, prompt: Sequence[int], prefix_reuse: bool = True) -> int:
+        """How many of `prompt`'s positions this slot could skip (before the graph's say): the whole prompt when it is
+        the kept one, else the common prefix short of the last token. No graph call."""
+        if not prefix_reuse:
+            return 0
+        ids = list(prompt)
+        kept = self._kept
+        if kept is not None and kept[0] == ids and self.tokens[: len(ids)] == ids:
+            return len(ids)
+        return _common(self.tokens, ids[:-1])
 
     def reuse(self, prompt: Sequence[int], prefix_reuse: bool = True) -> tuple[int, torch.Tensor | None]:
         """Rewind the slot to what it can keep of `prompt`: (the position prefill starts at, the kept logits [1, 1, V]
@@ -37,11 +55,7 @@ class KVSlot:
             if start == len(ids):
                 return start, kept[1]  # Sampler.sample never modifies its input: the kept copy stays as it was
         self._kept = None  # whatever is prefilled next replaces it (and a cancelled prefill leaves none)
-        common = 0
-        for cached, wanted in zip(self.tokens if prefix_reuse else (), ids[:-1], strict=False):
-            if cached != wanted:
-                break
-            common += 1
+        common = _common(self.tokens, ids[:-1]) if prefix_reuse else 0
         return self._truncate(common), None
 
     def keep(self, prompt: Sequence[int], logits: torch.Tensor) -> None:
@@ -61,3 +75,48 @@ class KVSlot:
         start = self._rewind(position)
         del self.tokens[start:]
         return start
+
+
+def _common(cached: list[int], wanted: Sequence[int]) -> int:
+    common = 0
+    for have, want in zip(cached, wanted, strict=False):
+        if have != want:
+            break
+        common += 1
+    return common
+
+
+SIMILARITY = 0.5  # a free slot is chosen for its cached prefix only when that covers this share of the prompt
+
+
+class KVSlots:
+    """The slots a scheduler may use, and which of them are free (no running sequence)."""
+
+    def __init__(self, rewind_slot: Callable[[int, int], int], count: int) -> None:
+        self.all = [KVSlot(lambda p, s=s: rewind_slot(s, p), s) for s in range(count)]
+        self.free: list[KVSlot] = list(self.all)
+        self._clock = 0
+
+    def choose(self, prompt: Sequence[int], prefix_reuse: bool = True) -> KVSlot:
+        """Take the free slot holding the longest prefix of `prompt`, if at least half of it (SIMILARITY); else the least
+        recently used (an eviction, or a never-used slot). There must be a free slot."""
+        matches = [(s.match(prompt, prefix_reuse), -s.last_used, s.index) for s in self.free]
+        best = max(matches)
+        if best[0] < SIMILARITY * len(prompt):
+            best = max(matches, key=lambda m: (m[1], m[2]))  # the least recently used
+        slot = self.all[best[2]]
+        self.free.remove(slot)
+        self._clock += 1
+        slot.last_used = self._clock
+        return slot
+
+    def release(self, slot: KVSlot) -> None:
+        """`slot`'s sequence ended: free again, its KV kept for whoever comes back to it."""
+        if slot not in self.free:
+            self.free.append(slot)
+
+    def reset(self) -> None:
+        """Every slot forgotten and free (no sequence runs)."""
+        for slot in self.all:
+            slot.reset()
+        self.free = list(self.all)

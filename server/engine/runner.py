@@ -1,12 +1,13 @@
-"""`Runner`, the only caller of `graph.forward`: each call timed where the watchdog sees it (`DeviceWatch`), counted
-for the request, its KV recorded; `Abandoned` when the watchdog gave up on it meanwhile.
+"""`Runner`, the only caller of the graph: each call timed where the watchdog sees it (`DeviceWatch`), its KV recorded
+in the rows' slots; `Abandoned` when the watchdog gave up on it meanwhile. Every graph is driven through protocol v3
+(server.graphs.base `SlotGraph`): a one-slot graph that only has `forward` / `rewind` is adapted (`slot_graph`).
 
 The decode fast path (measured; keep it when changing this file):
-- publish on submit: the previous token's Delta goes out from the graph's `on_submit` callback, right before the
+- publish on submit: the previous tokens' Deltas go out from the graph's `on_submit` callback, right before the
   step's device work (why then: server.graphs.base; later, the client would wait for the whole device step). A call
-  that fails before submitting publishes it afterwards: no token is ever lost.
-- positions pre-built: one [1, 1] tensor per position, made once (a fresh `torch.tensor` per token is a call on
-  the critical path).
+  that fails before submitting publishes them afterwards: no token is ever lost.
+- positions pre-built: one [1, 1] tensor per position, made once, for the one-row step (a fresh `torch.tensor` per
+  token is a call on the critical path); a step of B rows builds its [B, 1] in one call.
 """
 
 from __future__ import annotations
@@ -14,34 +15,34 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.engine.kv import KVSlot
-from server.engine.types import RequestHandle
-from server.graphs.base import Graph
+from server.engine.buckets import buckets_of
+from server.graphs.base import Graph, OneSlot, SlotGraph
 from server.model.embedding import HostEmbedding
+
+if TYPE_CHECKING:
+    from server.engine.sequence import Sequence as Seq
 
 
 class Abandoned(Exception):
-    """The watchdog gave up on the current graph call; its request already got an error."""
+    """The watchdog gave up on the current graph call; its requests already got an error."""
 
 
 @dataclass(slots=True)
 class DeviceWatch:
     """What the device-owner thread and the watchdog both touch: read and written under the engine's lock only."""
 
-    running: RequestHandle | None = None  # the request whose graph calls run now, until its Finish
+    rows: tuple[Seq, ...] = ()  # the sequences of the graph call running now
     step_started: float | None = None  # while a graph call runs
     abandoned: bool = False  # the watchdog gave up on the current call
     stall: str | None = None  # why, until that call returns
-    graph_calls: int = 0  # of the running request
-    device_s: float = 0.0
-
-    def begin(self, handle: RequestHandle) -> None:
-        """`handle` is the request on the device now: its counters start from zero."""
-        self.running, self.graph_calls, self.device_s = handle, 0, 0.0
+    steps: dict[int, int] = field(default_factory=dict)  # rows per graph call -> how many calls had that many
+    calls: int = 0  # every graph call so far
+    device_s: float = 0.0  # and the time inside them
 
     def recovered(self) -> None:
         """An abandoned call has returned (or raised): the device answers again."""
@@ -49,39 +50,77 @@ class DeviceWatch:
             self.abandoned, self.stall = False, None
 
 
-class Runner:
-    """One graph call per method: `prefill` (one chunk) and `decode` (one token), each recorded in the KV slot."""
+class _Adapted(OneSlot):
+    """Protocol v3 over a graph that answers only the one-slot `forward` / `rewind` (a test's stand-in device, an older
+    graph class): OneSlot's adapters, calling the graph's methods as they are at call time."""
 
-    def __init__(self, graph: Graph, embedding: HostEmbedding, lock: threading.Condition, watch: DeviceWatch) -> None:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.prefill_buckets = buckets_of(graph)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        return self.graph.forward(*args, **kwargs)
+
+    def rewind(self, position: int) -> int:  # type: ignore[override]
+        return self.graph.rewind(position)
+
+
+def slot_graph(graph: Graph) -> SlotGraph:
+    """`graph` as protocol v3: itself when it answers it, else through the one-slot adapters."""
+    if all(hasattr(graph, name) for name in ("slots", "decode_batches", "prefill", "decode", "rewind_slot")):
+        return graph  # type: ignore[return-value]
+    return _Adapted(graph)
+
+
+class Runner:
+    """One graph call per method: `prefill` (one chunk of one sequence) and `decode` (one token of each row)."""
+
+    def __init__(self, graph: SlotGraph, embedding: HostEmbedding, lock: threading.Condition, watch: DeviceWatch,
+                 max_total: int) -> None:
         self.graph = graph
         self.embedding = embedding
         self._lock = lock
         self._watch = watch
-        self._positions = [torch.tensor([[p]]) for p in range(graph.max_total)]  # [1, 1] each: the decode fast path
+        self._positions = [torch.tensor([[p]]) for p in range(max_total)]  # [1, 1] each: the one-row fast path
 
-    def prefill(self, kv: KVSlot, ids: Sequence[int], begin: int, end: int, *, last: bool) -> torch.Tensor:
-        """ids[begin:end] into the slot at positions begin..end-1: logits, [1, 1, V] of the chunk's last position when
-        `last` (the prompt's last chunk: what its first token is sampled from), else [1, T, V]."""
-        chunk = ids[begin:end]
+    def prefill(self, seq: Seq, begin: int, end: int, *, last: bool) -> torch.Tensor:
+        """seq's ids[begin:end] into its slot at positions begin..end-1: logits, [1, 1, V] of the chunk's last position
+        when `last` (the prompt's last chunk: what its first token is sampled from), else [1, T, V]."""
+        kv = seq.kv
+        assert kv is not None
+        chunk = seq.token_ids[begin:end]
         embeds = self.embedding.lookup(chunk)  # [1, T, H]
         positions = torch.arange(begin, end).unsqueeze(0)  # [1, T]
-        logits = self._call(embeds, positions, last_only=last)
+        logits = self._call((seq,), lambda submit: self.graph.prefill(embeds, positions, kv.index, last_only=last,
+                                                                      on_submit=submit))
         kv.tokens.extend(chunk)
         return logits
 
-    def decode(self, kv: KVSlot, token: int, on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        """`token` into the slot at its next position: logits [1, 1, V]. `on_submit` publishes the previous token."""
-        embeds = self.embedding.lookup([token])  # [1, 1, H]
-        logits = self._call(embeds, self._positions[len(kv.tokens)], last_only=True, publish=on_submit)  # [1, 1, V]
-        kv.tokens.append(token)
+    def decode(self, rows: Sequence[Seq], on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        """Each row's last token into its slot at its next position: logits [B, V]. `on_submit` publishes the previous
+        tokens."""
+        kvs = [seq.kv for seq in rows]
+        tokens = [seq.token_ids[-1] for seq in rows]
+        if len(rows) == 1:
+            embeds = self.embedding.lookup(tokens)  # [1, 1, H]
+            positions = self._positions[len(kvs[0].tokens)]  # type: ignore[union-attr]  # [1, 1]
+        else:
+            embeds = self.embedding.lookup(tokens).view(len(rows), 1, -1)  # [1, B, H] -> [B, 1, H]
+            positions = torch.tensor([[len(kv.tokens)] for kv in kvs])  # type: ignore[union-attr]  # [B, 1]
+        slots = [kv.index for kv in kvs]  # type: ignore[union-attr]
+        logits = self._call(rows, lambda submit: self.graph.decode(embeds, positions, slots, on_submit=submit),
+                            publish=on_submit)  # [B, V]
+        for kv, token in zip(kvs, tokens, strict=True):
+            kv.tokens.append(token)  # type: ignore[union-attr]
         return logits
 
-    def _call(self, embeds: torch.Tensor, positions: torch.Tensor, last_only: bool,
+    def _call(self, rows: tuple[Seq, ...] | Sequence[Seq], call: Callable[[Callable[[], None]], torch.Tensor],
               publish: Callable[[], None] | None = None) -> torch.Tensor:
-        """One graph call; `publish` runs once: when the graph submits its device work, or after a failure before that."""
+        """One graph call for `rows`; `publish` runs once: when the graph submits its device work, or after a failure
+        before that. Counts the call and its device time for every row."""
         watch = self._watch
         with self._lock:
-            watch.step_started = started = time.monotonic()
+            watch.rows, watch.step_started = tuple(rows), (started := time.monotonic())
         submitted: float | None = None
 
         def on_submit() -> None:
@@ -92,16 +131,21 @@ class Runner:
                     publish()
 
         try:
-            logits = self.graph.forward(embeds, positions, last_only=last_only, on_submit=on_submit)
+            logits = call(on_submit)
         finally:
             if submitted is None and publish is not None:
                 publish()
+            # Device time from the submission on: building the call's inputs is the host's work, not the device's.
+            device_s = time.monotonic() - (submitted or started)
             with self._lock:
-                watch.step_started = None
-                watch.graph_calls += 1
-                # Device time from the submission on: building the call's inputs is the host's work, not the device's.
-                watch.device_s += time.monotonic() - (submitted or started)
+                watch.step_started, watch.rows = None, ()
+                watch.steps[len(rows)] = watch.steps.get(len(rows), 0) + 1
+                watch.calls += 1
+                watch.device_s += device_s
                 abandoned = watch.abandoned
+            for seq in rows:
+                seq.graph_calls += 1
+                seq.device_s += device_s
         if abandoned:
             raise Abandoned
         return logits

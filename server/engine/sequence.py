@@ -1,5 +1,6 @@
 """`Sequence`: the engine's state for running one request, and the verbs that advance it token by token
-(`append`, then `finish` once `reason` is set). It never calls the graph.
+(`append`, then `finish` once `reason` is set). It never calls the graph. Where it runs (its KV slot, the prefill
+chunks still to run) is the scheduler's (server.engine.scheduler), recorded here so one value says it all.
 
 - A token a constraint rejects is never emitted (an llguidance error state: the mask allowed nothing it accepts).
 - A stop id is emitted as an empty Delta (its id, no text); a stop string's text is cut where the stop begins.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob
 
 if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
+    from server.engine.kv import KVSlot
     from server.model.detok import IncrementalDetokenizer, StopMatcher
     from server.sampling.params import TokenConstraint
     from server.sampling.sampler import Sampler, SampleResult
@@ -38,8 +41,8 @@ class Sequence:
     """One running request: ids, sampler, detokenizer, stop matcher, constraint, budget, counters, deadline."""
 
     __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampler", "constraint", "budget", "deadline",
-                 "generated", "ttft_s", "reused_tokens", "prefill_calls", "pending", "reason", "error",
-                 "grammar_done", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+                 "generated", "ttft_s", "reused_tokens", "prefill_calls", "graph_calls", "device_s", "pending", "reason",
+                 "error", "grammar_done", "kv", "chunks", "_detok", "_stops", "_eos_ids", "_ignore_eos")
 
     def __init__(self, handle: RequestHandle, sampler: Sampler, detok: IncrementalDetokenizer, stops: StopMatcher, *,
                  constraint: TokenConstraint | None, eos_ids: frozenset[int], budget: int, deadline: float) -> None:
@@ -55,6 +58,10 @@ class Sequence:
         self.ttft_s: float | None = None  # submission -> first token
         self.reused_tokens = 0  # prompt positions found in the KV cache
         self.prefill_calls = 0
+        self.graph_calls = 0  # every call this sequence took part in (a batched decode step counts for each row)
+        self.device_s = 0.0  # time inside those calls
+        self.kv: KVSlot | None = None  # its slot while it runs (the scheduler's)
+        self.chunks: collections.deque[tuple[int, int]] = collections.deque()  # prompt spans still to prefill
         self.pending: Delta | None = None  # the last token's Delta, out when the next graph call submits
         self.reason: str | None = None  # set once the sequence ends: stop | length | timeout | cancelled | error
         self.error: str | None = None
@@ -102,7 +109,12 @@ class Sequence:
         if delta is not None:
             self.handle.publish(delta)
 
-    def finish(self, graph_calls: int, device_s: float) -> tuple[Delta | None, Finish]:
+    @property
+    def decoding(self) -> bool:
+        """Its prompt is in the cache and a token sampled: its next step is a decode."""
+        return not self.chunks and self.generated > 0
+
+    def finish(self) -> tuple[Delta | None, Finish]:
         """Once `reason` is set: (the held-back text released, if any, and the Finish). Publishes nothing."""
         reason, timed_out = self.reason, self.reason == "timeout"
         assert reason is not None, "finish() after the sequence ended"
@@ -115,6 +127,6 @@ class Sequence:
                 text += self._stops.flush()
             reason = "stop" if hit else "length" if timed_out else reason  # a timeout is reported as "length"
             tail = Delta(text) if text else None
-        return tail, finish_event(self.handle, reason, self.num_prompt_tokens, self.generated, graph_calls=graph_calls,
-                                  device_s=device_s, reused_tokens=self.reused_tokens, prefill_calls=self.prefill_calls,
-                                  ttft_s=self.ttft_s, error=self.error, timed_out=timed_out)
+        return tail, finish_event(self.handle, reason, self.num_prompt_tokens, self.generated,
+                                  graph_calls=self.graph_calls, device_s=self.device_s, reused_tokens=self.reused_tokens,
+                                  prefill_calls=self.prefill_calls, ttft_s=self.ttft_s, error=self.error, timed_out=timed_out)

@@ -4,23 +4,31 @@ It honours the artifact's bucket and max total like the device, but never pads: 
 sliding-window cache is a ring buffer of window size, and pad tokens written into it evict real entries
 (a 46-token prompt in padded 16-token chunks diverged from `generate()` at the second token).
 For the same reason it can rewind its cache only while no sliding layer has wrapped; otherwise it resets.
+
+Several users at once (protocol v3, graphs/base.py): `slots` static caches, one per conversation. A decode step of
+B rows runs them one after another, each on its own cache at its own position: transformers has no clean batched
+step over caches at different positions (a padded batch cache would again feed pads to the sliding ring), so the
+demo interleaves users token by token; what it saves is nothing, what it gives is that no user waits for another's
+whole answer. With one slot it is the one-slot graph it always was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from server.graphs.base import DTYPES, OneSlot
+from server.graphs.base import DTYPES
 from server.model.artifacts import GraphSpec
 
+DEMO_SLOTS = 4  # what `serve --graph hf` keeps (its --max-batch, if set): a few chat tabs stream together
 
-class HFGraph(OneSlot):
+
+class HFGraph:
     name = "hf"
 
-    def __init__(self, checkpoint: Path | str, spec: GraphSpec, *, device: str = "cpu") -> None:
+    def __init__(self, checkpoint: Path | str, spec: GraphSpec, *, device: str = "cpu", slots: int = 1) -> None:
         from transformers import AutoModelForCausalLM, StaticCache
 
         self.device = torch.device(device)
@@ -33,36 +41,61 @@ class HFGraph(OneSlot):
         self.input_dtype = dtype
         self.vocab_size = int(config.vocab_size)
         self.host_softcap = None  # transformers applies the final soft-cap itself
-        self.cache = StaticCache(config=self.model.config, max_cache_len=spec.max_total)
-        self.position = 0  # the next slot the cache writes
+        self.slots = slots
+        self.decode_batches = tuple(range(1, slots + 1))  # any number of rows: they run one after another
+        self.caches = [StaticCache(config=self.model.config, max_cache_len=spec.max_total) for _ in range(slots)]
+        self.positions = [0] * slots  # per slot: the next position its cache writes
 
-    @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit)
+
+    def rewind(self, position: int) -> int:
+        return self.rewind_slot(0, position)
+
+    @torch.inference_mode()
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        self._check([slot])
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
-        assert int(positions[0, 0]) == self.position, "the static cache writes sequentially: rewind first"
-        assert self.position + t <= self.max_total, "beyond max_total"
+        assert int(positions[0, 0]) == self.positions[slot], "the static cache writes sequentially: rewind first"
+        assert self.positions[slot] + t <= self.max_total, "beyond max_total"
         embeds, positions = embeds.to(self.device, self.input_dtype), positions.to(self.device)
         if on_submit is not None:
             on_submit()
-        out = self.model(inputs_embeds=embeds, position_ids=positions, cache=self.cache, use_cache=True,
+        out = self.model(inputs_embeds=embeds, position_ids=positions, cache=self.caches[slot], use_cache=True,
                          logits_to_keep=1 if last_only else 0)
-        self.position += t
+        self.positions[slot] += t
         return out.logits.float().cpu()  # [1, T, V]
 
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        rows = embeds.shape[0]  # embeds [B, 1, H], positions [B, 1]
+        assert embeds.shape[1] == 1 and positions.shape == (rows, 1) and len(slots) == rows
+        self._check(list(slots))
+        logits = [self.prefill(embeds[b : b + 1], positions[b : b + 1], slot, last_only=True,
+                               on_submit=on_submit if b == 0 else None)[:, 0] for b, slot in enumerate(slots)]  # [1, V]
+        return torch.cat(logits)  # [B, V]
+
     @torch.inference_mode()  # the cache tensors were created under inference mode: only it may update them
-    def rewind(self, position: int) -> int:
-        if position >= self.position:
-            return self.position
-        layers = getattr(self.cache, "layers", [])
+    def rewind_slot(self, slot: int, position: int) -> int:
+        self._check([slot])
+        cache, written = self.caches[slot], self.positions[slot]
+        if position >= written:
+            return written
+        layers = getattr(cache, "layers", [])
         wrapped = any(getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len for layer in layers)
         if wrapped or not layers:
-            self.cache.reset()
-            self.position = 0
+            cache.reset()
+            self.positions[slot] = 0
             return 0
         for layer in layers:
             if getattr(layer, "is_initialized", False):
-                layer.crop(-(self.position - position))  # negative: drop that many of the newest slots
-        self.position = position
+                layer.crop(-(written - position))  # negative: drop that many of the newest slots
+        self.positions[slot] = position
         return position
+
+    def _check(self, slots: list[int]) -> None:
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {slots}")

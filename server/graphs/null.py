@@ -1,6 +1,9 @@
 """A graph that computes nothing: fixed logits of the configured vocabulary, instantly.
 
-For benchmarks of the host (everything but the device) and for engine tests that need real shapes.
+For benchmarks of the host (everything but the device) and for engine tests that need real shapes. It answers
+protocol v3 (graphs/base.py) with `slots` KV slots (default 1: a one-slot graph) and decode batches up to them; a
+simulated step time per call (`step_s`), or per decode batch size (`batch_step_s`, e.g. `ROOFLINE_STEP_S`, the
+recipe's projection of the 26B on inf2.xlarge), makes the worker wait as it waits on a NeuronCore.
 The logits are a fixed random pattern (seeded), so sampling does real work over a realistic distribution,
 with a chosen token forced on top (greedy always picks it: the tokenizer's 'a') and a set of ordinary word
 tokens lifted just below it, so sampled generations are text too (every token shows up as a chunk).
@@ -9,11 +12,9 @@ tokens lifted just below it, so sampled generations are text too (every token sh
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-
-from server.graphs.base import OneSlot
 
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (
@@ -23,12 +24,31 @@ NULL_GRAPH_WORDS = (
 )
 
 
-class NullGraph(OneSlot):
+# One device step of the 26B-A4B on inf2.xlarge, seconds, as the recipe projects it (a roofline of the bytes each call
+# reads, at the published build's measured efficiency: 18.6% of 820 GiB/s; PROJECTION, not a measurement):
+#   python server/vendor/tp_mb_moe_sqz.py --roofline --config CONFIG_26B.json --contract v3 --kv-slots 8 \
+#       --decode-batches 1,2,4,8 --quant int8 --tp 2 --max-total 512
+# decode of B rows: 29.1, 22.7, 15.8, 9.8 tok/s per stream at B = 1, 2, 4, 8; a 128-token prefill chunk runs the dense
+# experts path: 27.1 GB a call, as the published build's decode step (6.0 tok/s).
+ROOFLINE_STEP_S: Mapping[int, float] = {1: 1 / 29.1, 2: 1 / 22.7, 4: 1 / 15.8, 8: 1 / 9.8}
+ROOFLINE_PREFILL_S = 1 / 6.0
+# What `serve --graph null` simulates without a v3 artifact: a build of 8 slots, decode batches of 1, 2, 4 and 8.
+NULL_SLOTS, NULL_DECODE_BATCHES = 8, (1, 2, 4, 8)
+
+
+class NullGraph:
     name = "null"
 
     def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
                  input_dtype: torch.dtype = torch.float32, host_softcap: float | None = None,
-                 favoured_token: int | None = None, text_tokens: Sequence[int] = (), seed: int = 0, step_s: float = 0.0) -> None:
+                 favoured_token: int | None = None, text_tokens: Sequence[int] = (), seed: int = 0, step_s: float = 0.0,
+                 slots: int = 1, decode_batches: Sequence[int] | None = None,
+                 batch_step_s: Mapping[int, float] | None = None) -> None:
+        self.slots = slots
+        batches = tuple(sorted(set(decode_batches or (batch_step_s or {}).keys() or (1,))))
+        self.decode_batches = tuple(b for b in batches if b <= slots) or (1,)
+        self._batch_for = {n: next(b for b in self.decode_batches if b >= n) for n in range(1, self.decode_batches[-1] + 1)}
+        self.batch_step_s = dict(batch_step_s or {})  # compiled batch -> simulated seconds a decode step
         self.vocab_size = vocab_size
         self.max_total = max_total
         self.prefill_bucket = prefill_bucket
@@ -63,3 +83,37 @@ class NullGraph(OneSlot):
 
     def rewind(self, position: int) -> int:
         return position
+
+    # Protocol v3 over `slots` slots (with one, what OneSlot's adapters of forward / rewind would do).
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        self._check([slot])
+        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        rows = embeds.shape[0]  # embeds [B, 1, H], positions [B, 1]
+        assert embeds.shape[1] == 1 and positions.shape == (rows, 1) and len(slots) == rows
+        assert int(positions.max()) < self.max_total, "position beyond max_total"
+        ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+        self._check(ids)
+        batch = self._batch_for.get(rows)
+        if batch is None:
+            raise ValueError(f"{rows} rows: the largest decode batch is {self.decode_batches[-1]}")
+        self.calls += 1
+        if on_submit is not None:
+            on_submit()
+        wait = self.batch_step_s.get(batch, self.step_s)
+        if wait > 0:
+            time.sleep(wait)
+        return self._last[0].expand(rows, -1)  # [B, V] (a view)
+
+    def rewind_slot(self, slot: int, position: int) -> int:
+        self._check([slot])
+        return position
+
+    def _check(self, slots: list[int]) -> None:
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            if self.slots == 1:  # what OneSlot's adapters say
+                raise ValueError(f"a one-slot graph has slot 0 only, got slots {slots}")
+            raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {slots}")

@@ -96,6 +96,17 @@ def argmax(x: torch.Tensor, block: int = _ARGMAX_BLOCK) -> int:
     return b * block + int(blocks[b].argmax())
 
 
+def argmax_rows(x: torch.Tensor, block: int = _ARGMAX_BLOCK) -> list[int]:
+    """`argmax` of each row of x [B, V] (first index of each row's maximum), the same block maxima in one pass."""
+    rows, n = x.shape
+    if n % block or n < 4 * block or not x.is_contiguous():
+        return x.argmax(1).tolist()
+    blocks = x.view(rows, -1, block)  # (B, V/blk, blk)
+    b = blocks.amax(2).argmax(1)  # (B,) first block holding each row's maximum
+    inner = blocks[torch.arange(rows), b].argmax(1)  # (B,) within it
+    return (b * block + inner).tolist()
+
+
 def _sum_exp(x: torch.Tensor, softcap: float | None, inv_t: float, shift: float, out: torch.Tensor) -> float:
     """sum(exp(cap(x) * inv_t - shift)) over the whole row, leaving the terms in `out` (no allocation).
 

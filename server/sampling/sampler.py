@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from server.sampling.params import SamplingParams, TokenConstraint
-from server.sampling.primitives import argmax, candidates, draw, raw_logprobs, topk
+from server.sampling.primitives import argmax, argmax_rows, candidates, draw, raw_logprobs, topk
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,14 @@ class Sampler:
 
             self._token_mask = TokenMask(vocab_size)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply first (bias, penalties, a mask, min_tokens' ban) and no logprobs: the token is
+        the argmax of the raw row, which `sample_rows` takes for many rows in one pass."""
+        banning = self._generated < self._min_tokens and self._stop_ids.numel() > 0
+        return (self.params.greedy and not self.params.logprobs and not self._adjusts and self.constraint is None
+                and not banning)
+
     def accept(self, token_id: int) -> None:
         """Record a generated token (for the penalties and min_tokens). The constraint is advanced by the engine."""
         assert 0 <= token_id < self.vocab_size
@@ -187,3 +195,20 @@ class Sampler:
         if self._masks:
             top = tuple(entry for entry in top if entry[1] > -math.inf)  # masked tokens are not alternatives
         return SampleResult(token, logprobs[0], top)
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[SampleResult]:
+    """The next token of each row of logits [B, V] (raw, f32, not modified), row b by samplers[b]: each row exactly
+    what samplers[b].sample(logits[b]) gives, the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass."""
+    if len(samplers) == 1:
+        return [samplers[0].sample(logits[0])]
+    plain = [b for b, sampler in enumerate(samplers) if sampler.plain_greedy]
+    results: list[SampleResult | None] = [None] * len(samplers)
+    if len(plain) > 1:
+        rows = logits if len(plain) == len(samplers) else logits[plain]  # [P, V]
+        for b, token in zip(plain, argmax_rows(rows), strict=True):
+            results[b] = SampleResult(token, None)
+    for b, sampler in enumerate(samplers):
+        if results[b] is None:
+            results[b] = sampler.sample(logits[b])  # [V]
+    return results  # type: ignore[return-value]

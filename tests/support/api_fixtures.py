@@ -3,7 +3,8 @@
 - `null_host()`: the exported Gemma-3 270M artifact dir with the null graph (real tokenizer and chat template,
   instant fixed logits favouring "▁a"); `hf_host()`: the same host running the real 270M on CPU.
 - `SlowGraph`: a stand-in *device* (not our code): the null graph behind a per-call delay, optionally failing
-  after N calls, so streams are slow enough to disconnect from, ping on, or fill the queue with.
+  after N calls, so streams are slow enough to disconnect from, ping on, or fill the queue with; `SlowSlots` the same
+  over several KV slots (what `slow_loader` gives for the null graph: the engine batches, as it serves).
 - `LiveServer`: the real app under uvicorn on 127.0.0.1 (port 0) in a background thread.
 """
 
@@ -86,8 +87,7 @@ class SlowGraph(WrappedGraph):
         self.fail_after = fail_after
         self.call_starts: list[float] = []  # time.monotonic() at the start of each call
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+    def _device(self, on_submit: Callable[[], None] | None) -> None:
         self.calls += 1
         self.call_starts.append(time.monotonic())
         if self.fail_after is not None and self.calls > self.fail_after:
@@ -95,15 +95,43 @@ class SlowGraph(WrappedGraph):
         if on_submit is not None:
             on_submit()  # like a device: the inputs are ready, the (simulated) device time starts now
         time.sleep(self.delay_s)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        self._device(on_submit)
         return self.inner.forward(embeds, positions, last_only=last_only)
 
 
+class SlowSlots(SlowGraph):
+    """SlowGraph over a graph of several KV slots (protocol v3, e.g. `serve --graph null`'s): every call, a prefill
+    chunk or a decode step of B rows, takes `delay_s` and counts toward `fail_after`."""
+
+    def __init__(self, inner: Any, delay_s: float, fail_after: int | None = None) -> None:
+        super().__init__(inner, delay_s, fail_after)
+        self.slots, self.decode_batches, self.prefill_buckets = inner.slots, inner.decode_batches, inner.prefill_buckets
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        self._device(on_submit)
+        return self.inner.prefill(embeds, positions, slot, last_only=last_only)
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Any, *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        self._device(on_submit)
+        return self.inner.decode(embeds, positions, slots)
+
+    def rewind_slot(self, slot: int, position: int) -> int:
+        return self.inner.rewind_slot(slot, position)
+
+
 def slow_loader(host: Host, delay_s: float, fail_after: int | None = None) -> tuple[Callable[[], Graph], list[SlowGraph]]:
-    """A loader of a SlowGraph around the host's own graph; the list receives the graph once loaded."""
+    """A loader of a SlowGraph around the host's own graph (SlowSlots when it has several KV slots, as the null graph
+    has: the engine then batches); the list receives the graph once loaded."""
     made: list[SlowGraph] = []
 
     def load() -> Graph:
-        graph = SlowGraph(graph_loader(host)(), delay_s, fail_after)
+        inner = graph_loader(host)()
+        graph = (SlowSlots if getattr(inner, "slots", 1) > 1 else SlowGraph)(inner, delay_s, fail_after)
         made.append(graph)
         return graph
 

@@ -250,7 +250,9 @@ class OpenAIRoutes:
     def _model_card(self) -> dict[str, Any]:
         model = self.prompts.model
         card = {"id": model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
-                "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat}
+                "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat,
+                # how many generations run at once (KV slots in use together; 0 while the graph loads)
+                "max_concurrency": self.service.engine.capacity}
         if model.description is not None:
             card["description"] = model.description
         return card
