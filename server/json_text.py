@@ -36,17 +36,18 @@ def read_json(text: str | bytes, param: str) -> Any:
         reason = str(exc)
         error = JSONTooDeep if "recursion limit" in reason else JSONTextError
         raise error(f"{param}: not valid JSON: {reason}", param) from None
-    if not _finite(value):  # "1e999" parses to inf even with allow_inf_nan=False; JSON cannot carry it back out
+    if not finite(value):  # "1e999" parses to inf even with allow_inf_nan=False; JSON cannot carry it back out
         raise JSONTextError(f"{param}: not valid JSON: a number is too large to be finite", param)
     return value
 
 
-def _finite(value: Any) -> bool:
-    """No infinite float anywhere in `value` (recursion bounded: the parser refused anything deeper)."""
+def finite(value: Any) -> bool:
+    """No infinite or NaN float anywhere in a parsed JSON `value` (recursion bounded: the parser refused anything
+    deeper). The body's validator (server.api.http) asks the same of untyped fields."""
     if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, dict):
-        return all(_finite(item) for item in value.values())
+        return all(finite(item) for item in value.values())
     if isinstance(value, list):
-        return all(_finite(item) for item in value)
+        return all(finite(item) for item in value)
     return True

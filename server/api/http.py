@@ -15,7 +15,6 @@ Deliberate choices (do not "fix" these without reading why):
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -24,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import ClientDisconnect, Request
 
 from server.errors import APIError
+from server.json_text import finite
 
 # Request fields that do not change the output: accepted and ignored (README "Thinking, tools and JSON" lists them).
 IGNORED_FIELDS = frozenset({
@@ -105,7 +105,7 @@ class RequestBody(BodyPart):
     def _no_silent_drops(self) -> RequestBody:
         for name, value in (self.model_extra or {}).items():
             if name in IGNORED_FIELDS:
-                if not _finite(value):  # the JSON parser reads Infinity/NaN into untyped fields: refused everywhere
+                if not finite(value):  # the JSON parser reads Infinity/NaN into untyped fields: refused everywhere
                     raise PydanticCustomError("finite_number", "{name}: NaN and infinity are not valid JSON numbers",
                                               {"name": name, "param": name})
                 continue
@@ -114,16 +114,6 @@ class RequestBody(BodyPart):
             raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
                                       {"name": name[:64], "why": why, "param": name[:64]})
         return self
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_finite(v) for v in value)
-    return True
 
 
 Body = TypeVar("Body", bound=BaseModel)
