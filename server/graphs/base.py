@@ -90,7 +90,7 @@ class OneSlot:
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        _only_slot_zero([slot])
+        checked_slots([slot], 1)
         return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
@@ -98,15 +98,25 @@ class OneSlot:
         if embeds.shape[0] != 1 or positions.shape != (1, 1):
             raise ValueError(f"a one-slot graph decodes one row: embeds {tuple(embeds.shape)}, positions "
                              f"{tuple(positions.shape)}")
-        _only_slot_zero(slots)
+        checked_slots(slots, 1)
         return self.forward(embeds, positions, last_only=True, on_submit=on_submit)[:, 0]  # [1, V]
 
     def rewind_slot(self, slot: int, position: int) -> int:
-        _only_slot_zero([slot])
+        checked_slots([slot], 1)
         return self.rewind(position)
 
 
-def _only_slot_zero(slots: Sequence[int] | torch.Tensor) -> None:
-    ids = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-    if ids != [0]:
-        raise ValueError(f"a one-slot graph has slot 0 only, got slots {ids}")
+def checked_slots(slots: Sequence[int] | torch.Tensor, count: int) -> list[int]:
+    """`slots` as ints, refused (ValueError) unless they are distinct slots of a graph with `count` of them: the one
+    check every protocol v3 graph makes of the slots it is given."""
+    ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= s < count for s in ids):
+        if count == 1:
+            raise ValueError(f"a one-slot graph has slot 0 only, got slots {ids}")
+        raise ValueError(f"slots must be distinct, in [0, {count}): got {ids}")
+    return ids
+
+
+def decode_batch_for(decode_batches: Sequence[int]) -> dict[int, int]:
+    """Rows -> the compiled decode batch that runs them: the smallest that holds them (absent: too many rows)."""
+    return {n: next(b for b in sorted(decode_batches) if b >= n) for n in range(1, max(decode_batches) + 1)}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from server.graphs.base import DTYPES
+from server.graphs.base import DTYPES, checked_slots
 from server.model.artifacts import GraphSpec
 
 DEMO_SLOTS = 4  # what `serve --graph hf` keeps (its --max-batch, if set): a few chat tabs stream together
@@ -56,7 +56,7 @@ class HFGraph:
     @torch.inference_mode()
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        self._check([slot])
+        checked_slots([slot], self.slots)
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
         assert int(positions[0, 0]) == self.positions[slot], "the static cache writes sequentially: rewind first"
@@ -73,14 +73,14 @@ class HFGraph:
                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         rows = embeds.shape[0]  # embeds [B, 1, H], positions [B, 1]
         assert embeds.shape[1] == 1 and positions.shape == (rows, 1) and len(slots) == rows
-        self._check(list(slots))
+        checked_slots(slots, self.slots)
         logits = [self.prefill(embeds[b : b + 1], positions[b : b + 1], slot, last_only=True,
                                on_submit=on_submit if b == 0 else None)[:, 0] for b, slot in enumerate(slots)]  # [1, V]
         return torch.cat(logits)  # [B, V]
 
     @torch.inference_mode()  # the cache tensors were created under inference mode: only it may update them
     def rewind_slot(self, slot: int, position: int) -> int:
-        self._check([slot])
+        checked_slots([slot], self.slots)
         cache, written = self.caches[slot], self.positions[slot]
         if position >= written:
             return written
@@ -95,7 +95,3 @@ class HFGraph:
                 layer.crop(-(written - position))  # negative: drop that many of the newest slots
         self.positions[slot] = position
         return position
-
-    def _check(self, slots: list[int]) -> None:
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {slots}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from server.graphs.base import DTYPES, OneSlot
+from server.graphs.base import DTYPES, OneSlot, checked_slots, decode_batch_for
 from server.model.artifacts import GraphSpec
 from server.vendor.neuron_prelude import prepare_neuron_imports
 
@@ -228,7 +228,7 @@ class JitGraphV3(_CompiledGraph):
         self.slots = spec.kv_slots
         self.decode_batches = spec.decode_batches
         # rows -> the compiled decode batch that runs them (the smallest that holds them)
-        self._batch_for = {n: next(b for b in spec.decode_batches if b >= n) for n in range(1, max(spec.decode_batches) + 1)}
+        self._batch_for = decode_batch_for(spec.decode_batches)
         self._slot_written = [-1] * spec.kv_slots  # per slot: highest position written (pads included)
         self._slot_ids = [torch.tensor([s]) for s in range(spec.kv_slots)]  # [1] int64 each, made once
 
@@ -237,7 +237,7 @@ class JitGraphV3(_CompiledGraph):
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         if t == 1:  # one token runs on the decode graph (no bucket of 1)
             return self.decode(embeds, positions, [slot], on_submit=on_submit)[:, None]  # [1, 1, V]
-        self._check_slots([slot])
+        checked_slots([slot], self.slots)
         embeds, positions = self._pad_chunk(embeds, positions)  # [1, bucket, H], [1, bucket]
         self._slot_written[slot] = max(self._slot_written[slot], int(positions[0, -1]))  # before: a failed call wrote
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
@@ -257,7 +257,7 @@ class JitGraphV3(_CompiledGraph):
         batch = self._batch_for.get(rows)
         if batch is None:
             raise ValueError(f"{rows} rows: the largest compiled decode batch is {max(self.decode_batches)}")
-        self._check_slots(ids)
+        checked_slots(ids, self.slots)
         spare = batch - rows
         positions = positions.to(torch.int64)
         if spare:
@@ -278,15 +278,11 @@ class JitGraphV3(_CompiledGraph):
 
     def rewind_slot(self, slot: int, position: int) -> int:
         """`JitGraphV2.rewind` for one slot: other slots' writes never reach its ring."""
-        self._check_slots([slot])
+        checked_slots([slot], self.slots)
         keeps = ring_keeps(position, self._slot_written[slot], self.window, self.ring)
         if not keeps:
             self._slot_written[slot] = -1
         return position if keeps else 0
-
-    def _check_slots(self, ids: list[int]) -> None:
-        if len(set(ids)) != len(ids) or not all(0 <= s < self.slots for s in ids):
-            raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {ids}")
 
     # The one-slot protocol the engine drives today: slot 0.
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,

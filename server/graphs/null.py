@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from server.graphs.base import checked_slots, decode_batch_for
+
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (
     " a the of and to in is that for it with as was on be by at this are from or have an they which one you were"
@@ -47,7 +49,7 @@ class NullGraph:
         self.slots = slots
         batches = tuple(sorted(set(decode_batches or (batch_step_s or {}).keys() or (1,))))
         self.decode_batches = tuple(b for b in batches if b <= slots) or (1,)
-        self._batch_for = {n: next(b for b in self.decode_batches if b >= n) for n in range(1, self.decode_batches[-1] + 1)}
+        self._batch_for = decode_batch_for(self.decode_batches)
         self.batch_step_s = dict(batch_step_s or {})  # compiled batch -> simulated seconds a decode step
         self.vocab_size = vocab_size
         self.max_total = max_total
@@ -87,7 +89,7 @@ class NullGraph:
     # Protocol v3 over `slots` slots (with one, what OneSlot's adapters of forward / rewind would do).
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        self._check([slot])
+        checked_slots([slot], self.slots)
         return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
@@ -95,8 +97,7 @@ class NullGraph:
         rows = embeds.shape[0]  # embeds [B, 1, H], positions [B, 1]
         assert embeds.shape[1] == 1 and positions.shape == (rows, 1) and len(slots) == rows
         assert int(positions.max()) < self.max_total, "position beyond max_total"
-        ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
-        self._check(ids)
+        checked_slots(slots, self.slots)
         batch = self._batch_for.get(rows)
         if batch is None:
             raise ValueError(f"{rows} rows: the largest decode batch is {self.decode_batches[-1]}")
@@ -109,11 +110,5 @@ class NullGraph:
         return self._last[0].expand(rows, -1)  # [B, V] (a view)
 
     def rewind_slot(self, slot: int, position: int) -> int:
-        self._check([slot])
+        checked_slots([slot], self.slots)
         return position
-
-    def _check(self, slots: list[int]) -> None:
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            if self.slots == 1:  # what OneSlot's adapters say
-                raise ValueError(f"a one-slot graph has slot 0 only, got slots {slots}")
-            raise ValueError(f"slots must be distinct, in [0, {self.slots}): got {slots}")
