@@ -227,6 +227,9 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # A cap on the thought's tokens (-1 = unlimited; default: --reasoning-budget, then reasoning_effort's budget); the
+    # Messages API's thinking.budget_tokens arrives here.
+    reasoning_budget: int | None = Field(None, ge=-1)
 
 
 class CompletionRequest(SamplingFields):
