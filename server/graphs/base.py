@@ -106,6 +106,27 @@ class OneSlot:
         return self.rewind(position)
 
 
+class VisionEncoder(Protocol):
+    """An image's soft tokens (issue 27), whatever runs the tower: a traced device graph (the recipe's `--vision`) or
+    torch on the host (`--vision host`). Both answer exactly what transformers' Gemma-4 splices into `inputs_embeds`
+    (`get_image_features(...).pooler_output`: the vision tower, then `embed_vision`'s projection into the language
+    model's width).
+
+    Image blocks in the language graph: `prefill` / `forward` take `block_ids [1, T]` int64 beside the positions
+    (None = all text): 0 for a text token; the tokens of one image share one id > 0. On the layers the model's config
+    names (sliding layers when `use_bidirectional_attention == "vision"`) such tokens attend to each other both ways,
+    within the window; everything else stays causal. An image block is always inside one prefill call (the engine
+    plans chunks so); decode steps never hold image tokens."""
+
+    budgets: tuple[int, ...]  # the soft-token budgets (max_soft_tokens: 70, 140, 280, ...) it encodes, ascending
+
+    def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor, budget: int) -> torch.Tensor:
+        """pixel_values [1, P, D] f32 (P = budget * pooling_kernel_size**2 patch rows, padded), position_ids
+        [1, P, 2] int64 ((-1, -1) on padding rows), both as the image processor gives them for `budget`
+        -> soft tokens [N, H] (N = real patches / pooling_kernel_size**2), in `input_dtype`."""
+        ...
+
+
 def checked_slots(slots: Sequence[int] | torch.Tensor, count: int) -> list[int]:
     """`slots` as ints, refused (ValueError) unless they are distinct slots of a graph with `count` of them: the one
     check every protocol v3 graph makes of the slots it is given."""
