@@ -280,6 +280,9 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    # With messages only (vLLM's TokenizeChatRequest): rendered as a chat request with them renders its prompt.
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
     add_generation_prompt: bool | None = True
 

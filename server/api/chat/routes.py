@@ -234,9 +234,16 @@ class OpenAIRoutes:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.", param="prompt", code="invalid_value")
         if body.messages is not None:
+            # Through the chat path's own rendering: with the same messages, tools and chat_template_kwargs, the count
+            # is the prompt a chat request prefills (its usage.prompt_tokens).
             ids = await self.prompts.chat_ids(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
-                                        add_special_tokens=bool(body.add_special_tokens))
+                                              add_special_tokens=bool(body.add_special_tokens), tools=body.tools,
+                                              chat_template_kwargs=body.chat_template_kwargs)
         else:
+            for field in ("tools", "chat_template_kwargs"):
+                if getattr(body, field) is not None:
+                    raise APIError(400, f"{field}: only with `messages` (a `prompt` is tokenized as it is)",
+                                   param=field, code="invalid_value")
             assert body.prompt is not None
             ids = await self.prompts.text_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.prompts.model.max_total})
