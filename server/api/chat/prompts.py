@@ -32,9 +32,11 @@ class Prompts:
         self.protocol: ChatProtocol = model.protocol
 
     def check_model(self, model: str | None) -> str:
-        if model is not None and model != self.model.name:
+        """The served model's id (answers carry it, whichever of its names the request gave), or a 404."""
+        if model is not None and model not in self.model.names:
             shown = model if len(model) <= 200 else model[:200] + "..."  # never echo a 2 MB "model" back
-            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model.name}`.",
+            also = f" (also named {', '.join(f'`{a}`' for a in self.model.aliases)})" if self.model.aliases else ""
+            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model.name}`{also}.",
                            param="model", code="model_not_found")
         return self.model.name
 

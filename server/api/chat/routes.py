@@ -254,9 +254,10 @@ class OpenAIRoutes:
         self.prompts.check_token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": await self.prompts.decode(body.tokens)})
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str | None = None) -> dict[str, Any]:
+        """The served model's card, under `name` (one of its aliases) when given: `root` is always its id."""
         model = self.prompts.model
-        card = {"id": model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
+        card = {"id": name or model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
                 "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat,
                 # how many generations run at once (KV slots in use together; 0 while the graph loads)
                 "max_concurrency": self.service.engine.capacity}
@@ -268,6 +269,7 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
-        self.prompts.check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        name = request.path_params["model"]
+        self.prompts.check_model(name)
+        return JSONResponse(self._model_card(name))
 
