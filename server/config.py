@@ -68,6 +68,23 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def served_names(text: str) -> tuple[str, ...]:
+    """--served-model-name's comma-separated names: the first is the model's id, every one is accepted where a request
+    names its model. An empty item or a name given twice is refused (a typo, not a wish)."""
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise ValueError(f"an empty name in {text[:200]!r}: give comma-separated names, e.g. gemma-4,claude-sonnet-4-5")
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{twice[:200]!r} is given twice")
+    return names
+
+
+def _served_model_name(text: str) -> str:
+    served_names(text)  # checked when it is read, so a bad value stops the start with the flag's name
+    return text
+
+
 def _graph_kind(text: str) -> str:
     if text not in GRAPH_KINDS:
         raise ValueError(f"must be one of {', '.join(GRAPH_KINDS)}, got {text!r}")
@@ -118,8 +135,10 @@ class Settings:
                                           64 * 1024 * 1024, "/v1/responses: most bytes of JSON the stored responses "
                                           "may hold together (each keeps its whole conversation); the oldest is "
                                           "evicted first")
-    served_model_name: str | None = _setting("--served-model-name", "SERVED_MODEL_NAME", str, None,
-                                             "model id in the API", shown="from cfg/config.json")
+    served_model_name: str | None = _setting("--served-model-name", "SERVED_MODEL_NAME", _served_model_name, None,
+                                             "model id in the API; a comma-separated list adds aliases: the first is "
+                                             "the id /v1/models shows and answers carry, every name is accepted in a "
+                                             "request's model", shown="from cfg/config.json")
     device: str = _setting("--device", "DEVICE", str, "cpu", "torch device for the hf graph (cpu, cuda)")
     request_timeout_s: float = _setting("--request-timeout", "REQUEST_TIMEOUT", _positive_float, 600.0,
                                         'wall-clock limit per request, seconds (then finish_reason: "length")')
@@ -159,9 +178,16 @@ class Settings:
     allowed_headers: tuple[str, ...] = _setting("--allowed-headers", "ALLOWED_HEADERS", _names, ("*",),
                                                 "CORS: request headers allowed to those origins, comma-separated, or *",
                                                 shown="*")
+    allow_credentials: bool = _setting(
+        "--allow-credentials", "ALLOW_CREDENTIALS", _switch, False, "CORS: let those origins' pages send credentials "
+        "(cookies, HTTP auth; fetch's credentials: 'include'): answers carry Access-Control-Allow-Credentials: true; "
+        "with --allowed-origins '*' every origin is echoed back, so any page may call with them; the env takes 1/0",
+        shown="off")
 
     def __post_init__(self) -> None:
         _graph_kind(self.graph)
+        if self.served_model_name is not None:
+            served_names(self.served_model_name)
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
 

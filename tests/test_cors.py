@@ -126,3 +126,59 @@ def test_settings_from_flags_and_env() -> None:
     assert config.allowed_origins == ("http://a.example", "http://b.example")  # the flag wins
     assert config.allowed_methods == ("GET", "POST", "OPTIONS") and config.allowed_headers == ("*",)
     assert Settings.from_cli(parser.parse_args(["serve"]), {}).allowed_origins == ()  # off
+
+
+# ------------------------------------------------------------------ --allow-credentials (issue 26)
+
+COOKIE = {"Cookie": "session=abc"}  # what a page's fetch(..., {credentials: 'include'}) sends along
+
+
+def test_credentials_are_off_by_default() -> None:
+    with live_server(settings(allowed_origins=(ORIGIN,))) as live:
+        r = preflight(f"{live.url}/v1/chat/completions")
+        assert r.status_code == 200 and "access-control-allow-credentials" not in r.headers
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2},
+                       headers={"Origin": ORIGIN, **COOKIE}, timeout=30)
+        assert r.status_code == 200 and "access-control-allow-credentials" not in r.headers
+
+
+def test_a_credentialed_preflight_and_request_from_an_allowed_origin() -> None:
+    with live_server(settings(api_key=API_KEY, allowed_origins=(ORIGIN,), allow_credentials=True)) as live:
+        url = f"{live.url}/v1/chat/completions"
+        r = preflight(url)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert r.headers["access-control-allow-origin"] == ORIGIN  # never `*` with credentials
+        r = httpx.post(url, json={"messages": HI, "max_tokens": 2}, timeout=30,
+                       headers={"Origin": ORIGIN, "Authorization": f"Bearer {API_KEY}", **COOKIE})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert r.headers["access-control-allow-origin"] == ORIGIN and "Origin" in r.headers["vary"]
+        # Credentials are no key: a cookie alone is still a 401, readable by the page.
+        r = httpx.post(url, json={"messages": HI, "max_tokens": 2}, headers={"Origin": ORIGIN, **COOKIE}, timeout=30)
+        assert r.status_code == 401 and r.headers["access-control-allow-credentials"] == "true"
+        # Another origin is not allowed, credentials or not.
+        r = preflight(url, origin="http://evil.example")
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+def test_star_with_credentials_echoes_every_origin() -> None:
+    """Starlette's behaviour, documented in docs/api.md: a browser refuses `*` with credentials, so the middleware
+    answers each origin with itself, and every page may call with its credentials."""
+    with live_server(settings(allowed_origins=("*",), allow_credentials=True)) as live:
+        anywhere = "http://anywhere.example"
+        r = preflight(f"{live.url}/v1/completions", origin=anywhere)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == anywhere
+        assert r.headers["access-control-allow-credentials"] == "true"
+        r = httpx.get(f"{live.url}/v1/models", headers={"Origin": anywhere, **COOKIE}, timeout=10)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == anywhere
+        assert r.headers["access-control-allow-credentials"] == "true"
+
+
+def test_allow_credentials_flag_and_env() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--allowed-origins", ORIGIN, "--allow-credentials"])
+    assert Settings.from_cli(args, {}).allow_credentials is True
+    args = parser.parse_args(["serve"])
+    assert Settings.from_cli(args, {"ALLOW_CREDENTIALS": "1"}).allow_credentials is True
+    assert Settings.from_cli(args, {}).allow_credentials is False

@@ -22,10 +22,10 @@ from tests.support.browser import launched_chromium
 from tests.support.wait import wait_until
 
 # What a front-end on another origin does: a JSON POST with a bearer key (both make the browser send a preflight).
-CALL = """async ([url, key]) => {
+CALL = """async ([url, key, credentials]) => {
     try {
         const r = await fetch(url + '/v1/chat/completions', {
-            method: 'POST',
+            method: 'POST', credentials: credentials,
             headers: {'Content-Type': 'application/json', ...(key ? {'Authorization': 'Bearer ' + key} : {})},
             body: JSON.stringify({messages: [{role: 'user', content: 'hi'}], max_tokens: 3}),
         });
@@ -62,13 +62,14 @@ def browser() -> Iterator[Browser]:
         yield launched
 
 
-def call_from(browser: Browser, origin: str, api_url: str, key: str | None) -> Any:
+def call_from(browser: Browser, origin: str, api_url: str, key: str | None, credentials: str = "same-origin") -> Any:
+    """`credentials`: fetch's mode ("same-origin", its default; "include": cookies and HTTP auth go along)."""
     context = browser.new_context()
     try:
         page = context.new_page()
         page.goto(f"{origin}/")
         assert page.evaluate("location.origin") == origin and origin != api_url  # two origins
-        return page.evaluate(CALL, [api_url, key])
+        return page.evaluate(CALL, [api_url, key, credentials])
     finally:
         context.close()
 
@@ -89,3 +90,16 @@ def test_an_origin_not_configured_is_refused_by_the_browser(browser: Browser) ->
             with live_server(config) as api:
                 answer = call_from(browser, origin, api.url, None)
                 assert answer == {"failed": "TypeError: Failed to fetch"}, answer
+
+
+def test_a_credentialed_call_needs_allow_credentials(browser: Browser) -> None:
+    """fetch with `credentials: 'include'` (a page behind a cookie-checking proxy): the browser refuses the answer
+    unless it says Access-Control-Allow-Credentials: true (issue 26's --allow-credentials)."""
+    with front_end() as origin:
+        with live_server(settings(allowed_origins=(origin,))) as api:
+            assert call_from(browser, origin, api.url, None, "include") == {"failed": "TypeError: Failed to fetch"}
+            assert call_from(browser, origin, api.url, None).get("status") == 200  # the same call, without credentials
+        for allowed in ((origin,), ("*",)):  # `*`: Starlette echoes the origin, which a credentialed call needs
+            with live_server(settings(allowed_origins=allowed, allow_credentials=True)) as api:
+                answer = call_from(browser, origin, api.url, None, "include")
+                assert answer.get("status") == 200 and answer["body"]["choices"][0]["message"]["content"], answer

@@ -14,7 +14,7 @@ Deliberate choices:
 - CORS (off unless `allowed_origins` is set) is Starlette's `CORSMiddleware`, wrapped around the whole stack,
   Starlette's own outermost error middleware included: every answer carries the CORS headers, a 500 too (a browser
   cannot read an error it is not allowed to see). A preflight is answered there, before auth (browsers send no
-  credentials on it); the real request still needs the key.
+  credentials on it); the real request still needs the key. Credentials (`--allow-credentials`) are off by default.
 """
 
 from __future__ import annotations
@@ -144,10 +144,12 @@ class _App(Starlette):
         s = self._settings
         if not s.allowed_origins:
             return stack
-        # No credentials (cookies) are used: the key travels in a header, which the allowed headers must include.
+        # The key travels in a header, which the allowed headers must include; credentials (cookies, HTTP auth: what a
+        # proxy in front may check) only with --allow-credentials. Starlette then answers a `*` origin list with the
+        # request's own origin (a browser refuses `*` with credentials): every origin may call with its credentials.
         return CORSMiddleware(stack, allow_origins=list(s.allowed_origins), allow_methods=list(s.allowed_methods),
-                              allow_headers=list(s.allowed_headers), expose_headers=["X-Request-Id", "Retry-After"],
-                              max_age=600)
+                              allow_headers=list(s.allowed_headers), allow_credentials=s.allow_credentials,
+                              expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
 
 
 def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page: bytes | None = None) -> Starlette:

@@ -41,6 +41,13 @@ class ModelInfo:
     # since its chat answers look broken to anyone who expects a chat model.
     chat: bool = True
     description: str | None = None  # one line about the model for /v1/models and the chat page; None: nothing to say
+    # Other names a request may give as its model (--served-model-name's list after the first): accepted everywhere
+    # `name` is, answered as `name` (as vLLM answers with its first served name).
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 class EngineAPI(Protocol):

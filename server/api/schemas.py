@@ -26,6 +26,20 @@ MAX_TOKEN_ID_DIGITS = 18  # any vocabulary is smaller; int() of a longer key is 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
+def _check_top_k(value: int) -> int:
+    if value < -1:
+        raise ValueError("must be -1 or 0 (off) or >= 1")
+    return value
+
+
+# The sampling fields chat, completions and the Responses API share, each checked once here (the Responses API takes
+# them as vLLM does there, with the same meaning: server.api.responses.translate hands them to the chat request).
+TopK = Annotated[int, AfterValidator(_check_top_k)]  # -1 or 0: off
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
 def check_tool_name(name: str) -> str:
     """The tool-name rule (server.protocol.base.TOOL_NAME_PATTERN) as a field check: every route that takes tools
     validates its tool names with this (`ToolName`), so a tool the model could never call is refused where it is
@@ -112,13 +126,13 @@ class SamplingFields(RequestBody):
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None  # -1 or 0: off
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
     stop: tuple[str, ...] = ()
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, Bias] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -132,13 +146,6 @@ class SamplingFields(RequestBody):
             raise PydanticCustomError("stream_options", "stream_options: only allowed when stream is true",
                                       {"loc": "stream_options"})
         return self
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int | None) -> int | None:
-        if value is not None and value < -1:
-            raise ValueError("must be -1 or 0 (off) or >= 1")
-        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -273,6 +280,9 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    # With messages only (vLLM's TokenizeChatRequest): rendered as a chat request with them renders its prompt.
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
     add_generation_prompt: bool | None = True
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from server.api.given import ModelInfo
 from server.app.process import freeze_heap, release_freed_memory, single_threaded_torch
-from server.config import Settings
+from server.config import Settings, served_names
 from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
 from server.graphs.base import DTYPES, Graph
@@ -39,6 +39,7 @@ class Host:
     grammar: VocabLoader  # built at start-up, or on first use with --lazy-grammar
     chat: bool = True  # False: a base model (it completes text); told to the API, which tells the user
     description: str | None = None
+    aliases: tuple[str, ...] = ()  # the other names --served-model-name lists (model_name is the first)
 
     @property
     def max_total(self) -> int:
@@ -50,7 +51,7 @@ class Host:
         return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
                          generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer,
                          stop_token_ids=self.stop_token_ids, protocol=self.protocol, grammar=self.grammar,
-                         chat=self.chat, description=self.description)
+                         chat=self.chat, description=self.description, aliases=self.aliases)
 
 
 def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:
@@ -65,8 +66,9 @@ def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: Chat
 
 def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None, cache_dir: Path | None = None,
               *, chat: bool = True, description: str | None = None) -> Host:
-    """cache_dir: where start-up caches live (None: derive everything, write nothing). `chat` and `description`: what
-    the caller knows about the model that its files do not say (a base model's GGUF looks like any other)."""
+    """served_model_name: one name or a comma-separated list (the first is the id, the others aliases). cache_dir: where
+    start-up caches live (None: derive everything, write nothing). `chat` and `description`: what the caller knows
+    about the model that its files do not say (a base model's GGUF looks like any other)."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)
     spec = art.graph_spec()
@@ -79,8 +81,9 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     stops = stop_ids(structure, tokenizer, protocol)
     grammar = VocabLoader(functools.partial(_grammar_vocab, tokenizer, structure.vocab_size, stops, cache_dir,
                                             art.cfg / "tokenizer.json"))
-    return Host(art, kind, spec, structure, tokenizer, embedding, served_model_name or art.model_name(), protocol, stops, grammar,
-                chat, description)
+    names = served_names(served_model_name) if served_model_name else (art.model_name(),)
+    return Host(art, kind, spec, structure, tokenizer, embedding, names[0], protocol, stops, grammar, chat, description,
+                names[1:])
 
 
 def _grammar_vocab(tokenizer: HostTokenizer, vocab_size: int, stops: tuple[int, ...], cache_dir: Path | None,

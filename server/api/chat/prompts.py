@@ -9,14 +9,14 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
 from jinja2 import TemplateError
 
 from server.api.given import ModelInfo
-from server.api.schemas import ChatCompletionRequest, Message
+from server.api.schemas import ChatCompletionRequest, Message, Tool
 from server.errors import APIError, InvalidRequest
 from server.protocol import ChatProtocol, PromptInputs
 
@@ -32,9 +32,11 @@ class Prompts:
         self.protocol: ChatProtocol = model.protocol
 
     def check_model(self, model: str | None) -> str:
-        if model is not None and model != self.model.name:
+        """The served model's id (answers carry it, whichever of its names the request gave), or a 404."""
+        if model is not None and model not in self.model.names:
             shown = model if len(model) <= 200 else model[:200] + "..."  # never echo a 2 MB "model" back
-            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model.name}`.",
+            also = f" (also named {', '.join(f'`{a}`' for a in self.model.aliases)})" if self.model.aliases else ""
+            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model.name}`{also}.",
                            param="model", code="model_not_found")
         return self.model.name
 
@@ -58,8 +60,13 @@ class Prompts:
     # chunks on the event loop. (Encoding and decoding borrow the Rust tokenizer immutably and release the GIL.)
 
     async def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                       add_special_tokens: bool = False) -> list[int]:
-        return await anyio.to_thread.run_sync(self._chat_ids, messages, add_generation_prompt, add_special_tokens)
+                       add_special_tokens: bool = False, *, tools: Sequence[Tool] | None = None,
+                       chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """A conversation's ids as a chat request with these messages, tools and template variables renders them."""
+        render = functools.partial(self._prompt, messages, tools, chat_template_kwargs, None,
+                                   add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens)
+        ids, _ = await anyio.to_thread.run_sync(render)
+        return ids
 
     async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
@@ -73,21 +80,23 @@ class Prompts:
         return await anyio.to_thread.run_sync(self._chat_prompt, body)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        try:
-            inputs = self.protocol.prompt_inputs([m.template_dict() for m in body.messages], tools=tools,
-                                                 chat_template_kwargs=body.chat_template_kwargs,
-                                                 reasoning_effort=body.reasoning_effort)
-        except InvalidRequest as exc:
-            raise invalid(exc.message, exc.param) from None
-        return self._render(inputs.messages, True, False, tools=inputs.tools, **inputs.template_kwargs), inputs
+        return self._prompt(body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
 
-    def _chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+    def _prompt(self, messages: Sequence[Message], tools: Sequence[Tool] | None,
+                chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None, *,
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> tuple[list[int], PromptInputs]:
+        """The one rendering of a conversation (chat, the Responses API, /tokenize, /generate): the model's protocol
+        (tools, thinking, tool messages), then its template."""
+        declared = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
         try:
-            inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages])
+            inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages], tools=declared,
+                                                 chat_template_kwargs=chat_template_kwargs,
+                                                 reasoning_effort=reasoning_effort)
         except InvalidRequest as exc:
             raise invalid(exc.message, exc.param) from None
-        return self._render(inputs.messages, add_generation_prompt, add_special_tokens, **inputs.template_kwargs)
+        ids = self._render(inputs.messages, add_generation_prompt, add_special_tokens, tools=inputs.tools,
+                           **inputs.template_kwargs)
+        return ids, inputs
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
                 **template: Any) -> list[int]:

@@ -234,9 +234,16 @@ class OpenAIRoutes:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.", param="prompt", code="invalid_value")
         if body.messages is not None:
+            # Through the chat path's own rendering: with the same messages, tools and chat_template_kwargs, the count
+            # is the prompt a chat request prefills (its usage.prompt_tokens).
             ids = await self.prompts.chat_ids(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
-                                        add_special_tokens=bool(body.add_special_tokens))
+                                              add_special_tokens=bool(body.add_special_tokens), tools=body.tools,
+                                              chat_template_kwargs=body.chat_template_kwargs)
         else:
+            for field in ("tools", "chat_template_kwargs"):
+                if getattr(body, field) is not None:
+                    raise APIError(400, f"{field}: only with `messages` (a `prompt` is tokenized as it is)",
+                                   param=field, code="invalid_value")
             assert body.prompt is not None
             ids = await self.prompts.text_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.prompts.model.max_total})
@@ -247,9 +254,10 @@ class OpenAIRoutes:
         self.prompts.check_token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": await self.prompts.decode(body.tokens)})
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str | None = None) -> dict[str, Any]:
+        """The served model's card, under `name` (one of its aliases) when given: `root` is always its id."""
         model = self.prompts.model
-        card = {"id": model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
+        card = {"id": name or model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
                 "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat,
                 # how many generations run at once (KV slots in use together; 0 while the graph loads)
                 "max_concurrency": self.service.engine.capacity}
@@ -261,6 +269,7 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
-        self.prompts.check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        name = request.path_params["model"]
+        self.prompts.check_model(name)
+        return JSONResponse(self._model_card(name))
 

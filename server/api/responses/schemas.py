@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, TypeAdapter, field_validator, model_validator
 
 from server.api.http import BodyPart, RequestBody
-from server.api.schemas import ToolName, joined_text_parts
+from server.api.schemas import MinP, RepetitionPenalty, Seed, ToolName, TopK, joined_text_parts
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys up to 64 characters, values up to 512
@@ -148,6 +148,11 @@ class ResponsesRequest(RequestBody):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # Not OpenAI's, vLLM's (which takes them here as on chat): the same fields, checks and meaning as chat's.
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -1,5 +1,6 @@
 """A Responses request as a `ChatCompletionRequest` (`chat_request`): its conversation as chat messages, its tools,
-tool_choice, text format and reasoning effort as the chat fields. A chat-path error is given back naming the Responses
+tool_choice, text format, reasoning effort and sampling fields (vLLM's top_k, min_p, repetition_penalty, seed among them)
+as the chat fields. A chat-path error is given back naming the Responses
 field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the chat field (`in_responses_terms`)."""
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def chat_request(body: ResponsesRequest, items: Sequence[InputItem]) -> ChatComp
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "seed": body.seed,
         "tools": [tool.chat() for tool in body.tools] if body.tools else None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if isinstance(choice, FunctionChoice)
         else choice,
