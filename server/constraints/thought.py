@@ -97,6 +97,8 @@ class BudgetedThought(Constraint):
 
     def _ends_with(self, marker: tuple[int, ...]) -> bool:
         recent = self._recent
+        if len(marker) == 1:  # the usual case (a special token): no slicing on every step
+            return bool(recent) and recent[-1] == marker[0]
         return len(recent) >= len(marker) and tuple(recent)[len(recent) - len(marker):] == marker
 
     @property
