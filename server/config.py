@@ -42,6 +42,7 @@ def _bounded(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
 
 _positive_int, _positive_float, _non_negative_float = _bounded(int, 1, False), _bounded(float, 0, True), _bounded(float, 0, False)
 _non_negative_int = _bounded(int, 0, False)
+_budget = _bounded(int, -1, False)  # a token budget, -1 = unlimited
 
 
 def _user_path(text: str) -> Path:
@@ -128,6 +129,11 @@ class Settings:
     max_n: int = _setting("--max-n", "MAX_N", _positive_int, 8,
                           "most choices one request may ask for: n, times the prompts of a /v1/completions list "
                           "(400 beyond; they are admitted together, so --max-queue bounds them too)")
+    reasoning_budget: int = _setting("--reasoning-budget", "REASONING_BUDGET", _budget, -1,
+                                     "most tokens a thought may take before its channel is closed and the answer "
+                                     "follows (counted within max_tokens); a request's reasoning_budget or "
+                                     "reasoning_effort overrides it; -1: unlimited, 0: the thought closes at once",
+                                     shown="-1 (unlimited)")
     responses_store_max: int = _setting("--responses-store-max", "RESPONSES_STORE_MAX", _non_negative_int, 1000,
                                         "/v1/responses: most stored responses (for previous_response_id and GET); the "
                                         "oldest is evicted first; 0: none kept")

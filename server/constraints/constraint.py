@@ -94,6 +94,11 @@ class Constraint:
         """Only a stop id may follow (the engine may end the request here with finish_reason "stop")."""
         return False
 
+    @property
+    def free(self) -> bool:
+        """This step allows every token: the sampler may skip the mask (a thinking budget outside its forced steps)."""
+        return False
+
 
 class GrammarConstraint(Constraint):
     def __init__(self, matcher: llguidance.LLMatcher) -> None:

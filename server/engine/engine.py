@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from server.constraints.thought import BudgetedThought
 from server.engine.buckets import buckets_of
 from server.engine.kv import KVSlots
 from server.engine.runner import Abandoned, DeviceWatch, Runner, slot_graph
@@ -371,13 +372,19 @@ class Engine:
                         eos_ids=self.eos_token_ids, budget=budget, deadline=self._deadline(handle))
 
     def _constraint_for(self, request: GenerationRequest) -> TokenConstraint | None:
-        """This run's matcher of the request's constraint (None: free text): built here, per run, so the request stays
-        a value that can run again (after a cache reset, or as another choice)."""
-        if request.constraint is None:
-            return None
-        if self._constraints is None:
-            raise RuntimeError("this engine was built without a constraint builder (see server.app.runtime.build_engine)")
-        return self._constraints(request.constraint)
+        """This run's matcher of the request's constraint (None: free text), inside its thinking budget if it has one:
+        built here, per run, so the request stays a value that can run again (after a cache reset, or as another
+        choice)."""
+        inner = None
+        if request.constraint is not None:
+            if self._constraints is None:
+                raise RuntimeError("this engine was built without a constraint builder (see "
+                                   "server.app.runtime.build_engine)")
+            inner = self._constraints(request.constraint)
+        if request.thought_budget is None:
+            return inner
+        assert self.graph is not None
+        return BudgetedThought(request.thought_budget, inner, (self.graph.vocab_size + 31) // 32)
 
     def _sweep(self) -> None:
         """A sequence still waiting for its prompt's next chunk that was cancelled ends now, not when its chunk comes

@@ -18,6 +18,7 @@ from server.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
+    from server.constraints.thought import ThoughtBudget
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +35,9 @@ class GenerationRequest:
     constraint: ConstraintSpec | None = None
     ignore_eos: bool = False  # stop ids do not end the generation (only max_tokens, stop strings, the context do)
     min_tokens: int = 0  # stop ids are masked out until this many tokens were generated
+    # A cap on the thought channel's tokens (None = none): the closing marker is forced there. Applied around
+    # `constraint` by each run's matcher (Engine._constraint_for); it needs no grammar vocabulary.
+    thought_budget: ThoughtBudget | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,12 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
 
 # OpenAI's reasoning_effort values; "none" turns thinking off, every other one on (Gemma-4 has no effort levels).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# What each effort caps the thought at, in tokens, when the request gives no reasoning_budget of its own. low, medium,
+# high: Google's own mapping of OpenAI's reasoning_effort onto Gemini's thinking budgets (its OpenAI-compatible API:
+# 1K, 8K, 24K); xhigh: 32,768, the largest thinking budget Gemini 2.5 takes; minimal: 512, half of low. Gemma-4 is
+# Google's open model family: its users meet the same numbers there. "none" turns thinking off (nothing to cap).
+EFFORT_BUDGETS = {"minimal": 512, "low": 1024, "medium": 8192, "high": 24576, "xhigh": 32768}
+UNLIMITED = -1  # a reasoning budget of -1: no cap
 
 
 class ProtocolError(InvalidRequest):
@@ -132,6 +138,9 @@ class ChatProtocol(ABC):
     keep_special_tokens: bool
     # Stop tokens besides eos, by text (the host resolves them to ids): where the format ends a turn or waits.
     stop_tokens: tuple[str, ...] = ()
+    # The thought channel's (opening, closing) markers, by text: what a thinking budget counts between and forces the
+    # closing one of (server.constraints.thought); None: the format has no thought channel.
+    thought: tuple[str, str] | None = None
 
     @property
     def calls(self) -> CallFormat | None:
@@ -179,6 +188,17 @@ def thinking_from(chat_template_kwargs: Mapping[str, Any] | None, reasoning_effo
         raise ProtocolError(f"reasoning_effort={reasoning_effort!r} contradicts chat_template_kwargs.enable_thinking="
                             f"{str(explicit).lower()}", "reasoning_effort")
     return next((value for value in (explicit, from_effort) if value is not None), default)
+
+
+def reasoning_budget(requested: int | None, reasoning_effort: str | None, default: int = UNLIMITED) -> int:
+    """The thought's cap in tokens (UNLIMITED: none): the request's own `reasoning_budget`, else its effort's
+    (`EFFORT_BUDGETS`; "none" turns thinking off, so nothing is capped), else the server's default
+    (--reasoning-budget). An unknown effort is refused where thinking is decided (`thinking_from`)."""
+    if requested is not None:
+        return requested
+    if reasoning_effort is not None:
+        return EFFORT_BUDGETS.get(reasoning_effort, UNLIMITED)
+    return default
 
 
 def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

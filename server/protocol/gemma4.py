@@ -99,6 +99,7 @@ class Gemma4Protocol(ChatProtocol):
     supports_tools = True
     keep_special_tokens = True
     stop_tokens = STOP_TOKENS
+    thought = (CHANNEL_OPEN, CHANNEL_CLOSE)
 
     def __init__(self, special_tokens: Collection[str] = ()) -> None:
         """`special_tokens`: the tokenizer's special-token texts, removed from content as skip_special_tokens would."""

@@ -119,8 +119,13 @@ class Sampler:
         """Greedy with nothing to apply first (bias, penalties, a mask, min_tokens' ban) and no logprobs: the token is
         the argmax of the raw row, which `sample_rows` takes for many rows in one pass."""
         banning = self._generated < self._min_tokens and self._stop_ids.numel() > 0
-        return (self.params.greedy and not self.params.logprobs and not self._adjusts and self.constraint is None
+        return (self.params.greedy and not self.params.logprobs and not self._adjusts and not self._constrained
                 and not banning)
+
+    @property
+    def _constrained(self) -> bool:
+        """The constraint has a mask to apply at this step (a free step's would allow every token)."""
+        return self.constraint is not None and not self.constraint.free
 
     def accept(self, token_id: int) -> None:
         """Record a generated token (for the penalties and min_tokens). The constraint is advanced by the engine."""
@@ -153,12 +158,13 @@ class Sampler:
         """The constraint's mask (with the soft-cap on the allowed tokens) and min_tokens' ban on stop ids, on a row
         of our own: (the row, the soft-cap still to apply to it). `x` itself when neither applies."""
         banning = self._generated < self._min_tokens and self._stop_ids.numel() > 0
-        if self.constraint is None and not banning:
+        constrained = self._constrained
+        if not constrained and not banning:
             return x, self.softcap
         if x is not self._adjusted:  # still the caller's buffer: never modified
             assert self._masked is not None
             x = self._masked.copy_(x)  # (V,)
-        if self.constraint is not None:
+        if constrained:
             self._token_mask.apply_(self.constraint, x, self.softcap)  # -inf where disallowed; capped elsewhere
         elif self.softcap is not None:
             x.div_(self.softcap).tanh_().mul_(self.softcap)  # cap first, so the banned ids stay -inf

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from server.api.schemas import ChatCompletionRequest
 from server.constraints.constraint import ConstraintSpec
+from server.constraints.thought import ThoughtBudget
 from server.engine.types import RequestHandle, SamplingParams
 from server.protocol import OutputParser, PromptInputs
 
@@ -26,6 +27,7 @@ class ChatPlan:
     constraint: ConstraintSpec | None  # a value, shared by the choices: the engine builds each run's matcher
     new_parser: Callable[[], OutputParser]
     keep_special_tokens: bool
+    thought_budget: ThoughtBudget | None = None  # the thought's cap (None: none, or thinking is off)
 
 
 class ChatPlanner(Protocol):

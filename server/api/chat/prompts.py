@@ -31,6 +31,14 @@ class Prompts:
         self.token_info = functools.lru_cache(maxsize=1 << 16)(self._token_info)
         self.protocol: ChatProtocol = model.protocol
 
+    @functools.cached_property
+    def thought_markers(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The protocol's thought-channel markers as token ids (opening, closing); None: it has no thought channel."""
+        if self.protocol.thought is None:
+            return None
+        opening, closing = (tuple(self.tokenizer.encode(text, add_special_tokens=False)) for text in self.protocol.thought)
+        return opening, closing
+
     def check_model(self, model: str | None) -> str:
         """The served model's id (answers carry it, whichever of its names the request gave), or a 404."""
         if model is not None and model not in self.model.names:

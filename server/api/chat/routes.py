@@ -45,8 +45,11 @@ from server.api.schemas import (
 from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
 from server.constraints.constraint import ConstraintSpec
+from server.constraints.thought import ThoughtBudget
 from server.engine.types import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams
 from server.errors import APIError
+from server.protocol import PromptInputs
+from server.protocol.base import UNLIMITED, reasoning_budget
 
 
 class OpenAIRoutes:
@@ -113,7 +116,7 @@ class OpenAIRoutes:
         """`ChatPlanner.submit_plan`: chat completions and the Responses API submit a plan here, and only here."""
         return self.submit([plan.ids], body.token_limit, param, n, sampling=plan.sampling, constraint=plan.constraint,
                            stop=body.stop, request_id=request_id, skip_special_tokens=not plan.keep_special_tokens,
-                           **self._eos_fields(body))
+                           thought_budget=plan.thought_budget, **self._eos_fields(body))
 
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
@@ -177,7 +180,16 @@ class OpenAIRoutes:
         parse_tools = bool(tool_names) and body.tool_choice != "none"
         return ChatPlan(model, ids, inputs, sampling, constraint,
                         functools.partial(protocol.parser, tool_names=tool_names, parse_tool_calls=parse_tools),
-                        protocol.keep_special_tokens)
+                        protocol.keep_special_tokens, self._thought_budget(body, inputs))
+
+    def _thought_budget(self, body: ChatCompletionRequest, inputs: PromptInputs) -> ThoughtBudget | None:
+        """The thought's cap: the request's reasoning_budget, else its reasoning_effort's, else --reasoning-budget;
+        None when unlimited, or when thinking is off (nothing to cap: no error, and no cost)."""
+        tokens = reasoning_budget(body.reasoning_budget, body.reasoning_effort, self.settings.reasoning_budget)
+        markers = self.prompts.thought_markers
+        if tokens == UNLIMITED or not inputs.thinking or markers is None:
+            return None
+        return ThoughtBudget(*markers, tokens=tokens)
 
     @staticmethod
     def _eos_fields(body: SamplingFields) -> dict[str, Any]:
