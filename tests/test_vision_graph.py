@@ -330,3 +330,28 @@ def test_tp2_sharded_tower_equals_transformers(reference, monkeypatch: pytest.Mo
             outs = list(pool.map(lambda tower: tower(pixels, positions)[0], ranks))
     for out in outs:
         torch.testing.assert_close(out[: expected.shape[0]], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_vision_residency_counts_every_weight_of_the_26b_tower() -> None:
+    """--residency --vision counts exactly transformers' tower + embed_vision (built on meta, in bf16), replicated;
+    sharded (the 26B's choice by bytes at tp=2) it holds half of every layer linear and all of the rest."""
+    from accelerate import init_empty_weights
+    from transformers import Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+
+    from tests.support.configs import GEMMA4_26B_A4B
+
+    recipe = load_recipe()
+    text = recipe.text_config_from_dict(GEMMA4_26B_A4B)
+    vcfg = Gemma4VisionConfig(**recipe.VISION_26B)
+    with init_empty_weights(include_buffers=True):
+        modules = [Gemma4VisionModel(vcfg), Gemma4MultimodalEmbedder(vcfg, text)]
+    expected = 2 * sum(t.numel() for m in modules for t in m.state_dict().values())  # bf16 weights, checkpoint keys
+    replicated = recipe.vision_residency(vcfg, text, 2, vision_tp="replicated")
+    assert replicated["vision"] == expected and not replicated["vision_sharded"]
+    sharded = recipe.vision_residency(vcfg, text, 2)  # auto: the bytes choose
+    assert sharded["vision_sharded"]
+    linears = vcfg.num_hidden_layers * (4 * vcfg.hidden_size**2 + 3 * vcfg.hidden_size * vcfg.intermediate_size)
+    assert vcfg.num_attention_heads * vcfg.head_dim == vcfg.hidden_size
+    assert replicated["vision"] - sharded["vision"] == 2 * linears // 2  # bf16, half of every layer linear
+    assert 0.54e9 < replicated["vision"] - sharded["vision"] < 0.55e9  # 0.545 GB per rank freed (recipe.md)

@@ -740,6 +740,7 @@ class Plan:
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes (rows per step)
     kv_quant: str = "none"  # v3 "int8": K and V int8 per (slot, head, position) with an f32 scale, opt-in
     block_ids: bool = False  # v2/v3 (--vision): prefill takes image-block ids [1, T] after its other inputs
+    vision_tp: str = "auto"  # --vision's tower: "auto" (sharded iff it frees enough bytes), "sharded", "replicated"
 
     @property
     def kv_int8(self) -> bool:
@@ -1432,7 +1433,7 @@ def lower_vision(vision_config, text_config, plan: Plan, budgets: Iterable[int],
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    tower = build_vision(vision_config, text_config, Plan(tp=plan.tp, dtype=plan.dtype))
+    tower = build_vision(vision_config, text_config, Plan(tp=plan.tp, dtype=plan.dtype, vision_tp=plan.vision_tp))
     randomize_vision(tower)
     tower.to(device)
     torch_xla.sync()
@@ -1476,6 +1477,8 @@ def print_lowering(report: Mapping, as_json: bool) -> None:
         fallbacks = {k: v for c in g["calls"] for k, v in c["aten_fallbacks"].items()} or "none"
         verdict = "ok" if g["pass"] else "FAIL"
         experts = f"  experts {g['experts']}" if "experts" in g else ""
+        if "sharded" in g:
+            experts = "  tower " + ("TP-sharded" if g["sharded"] else "replicated")
         print(f"  {g['graph']:<14} {g['B']:>3} {g['T']:>5} {first['compilations']:>8}/{second['compilations']:<8}  "
               f"{fallbacks}  {verdict}{experts}")
     print("PASS" if report["pass"] else "FAIL")
@@ -2218,7 +2221,7 @@ def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
     values: dict = dict(tp=args.tp, quant=args.quant, max_total=args.max_total, contract=args.contract,
                         buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant,
                         kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
-                        block_ids=bool(args.vision))
+                        block_ids=bool(args.vision), vision_tp=args.vision_tp)
     values.update(overrides)
     return Plan(**values)
 
@@ -2454,6 +2457,7 @@ VISION_26B = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27
 # Shard the tower over the ranks only when that frees more than this per rank: below it the two all-reduces per layer
 # cost more than the bytes are worth (a tiny test tower); the 26B's tower frees ~0.55 GB per rank (KV slots).
 VISION_SHARD_MIN_BYTES = 64 * 2**20
+VISION_TP_MODES = ("auto", "sharded", "replicated")
 
 
 def vision_config_from_dict(raw: Mapping) -> object | None:
@@ -2573,7 +2577,13 @@ class VisionTower(nn.Module):
 
 def build_vision(vision_config, text_config, plan: Plan, coll: Collectives = LOCAL,
                  device: str | torch.device = "cpu") -> VisionTower:
-    sharded = vision_sharded(vision_config, plan.tp, plan.dtype)
+    if plan.vision_tp not in VISION_TP_MODES:
+        raise ValueError(f"vision_tp must be one of {VISION_TP_MODES}, got {plan.vision_tp!r}")
+    sharded = vision_sharded(vision_config, plan.tp, plan.dtype) if plan.vision_tp == "auto" else (
+        plan.vision_tp == "sharded" and plan.tp > 1)
+    if sharded and any(n % plan.tp for n in (vision_config.num_attention_heads, vision_config.num_key_value_heads,
+                                             vision_config.intermediate_size)):
+        raise ValueError(f"the vision tower's heads / kv heads / intermediate size do not split over tp={plan.tp}")
     with torch.device(device):
         tower = VisionTower(vision_config, text_config, tp=plan.tp, sharded=sharded, dtype=plan.dtype, coll=coll)
     return tower.eval()
@@ -2628,12 +2638,12 @@ def convert_vision(reader: CheckpointReader, tower: VisionTower) -> dict[str, to
 
 
 def vision_residency(vision_config, text_config, tp: int, dtype: torch.dtype = torch.bfloat16,
-                     budgets: Iterable[int] = VISION_BUDGETS) -> dict[str, int]:
+                     budgets: Iterable[int] = VISION_BUDGETS, vision_tp: str = "auto") -> dict[str, int]:
     """Device bytes of the tower per rank, and what one call at the largest budget holds at once on top (an
     estimate: the f32 [heads, P, P] scores of one layer, the [P, Hv] hidden states and MLP activations)."""
     from accelerate import init_empty_weights
 
-    plan = Plan(tp=tp, dtype=dtype)
+    plan = Plan(tp=tp, dtype=dtype, vision_tp=vision_tp)
     with init_empty_weights(include_buffers=True):
         tower = build_vision(vision_config, text_config, plan, device="meta")
     weights = sum(t.numel() * t.element_size() for t in tower.parameters())
@@ -2730,7 +2740,7 @@ def build_vision_neuron(args: argparse.Namespace, raw: Mapping, cfg, out: Path, 
     setattr(nxd_trace, registry, known + tuple(c for c in (ShardLinear,) if c not in known))
     coll = Collectives(all_reduce=mappings.reduce_from_tensor_model_parallel_region,
                        gather_last=mappings.gather_from_tensor_model_parallel_region)
-    plan = Plan(tp=args.tp, dtype=DTYPES[args.dtype or "bfloat16"])
+    plan = Plan(tp=args.tp, dtype=DTYPES[args.dtype or "bfloat16"], vision_tp=args.vision_tp)
 
     def device_tower() -> VisionTower:
         tower = build_vision(vcfg, cfg, plan, coll, device="meta")
@@ -2822,6 +2832,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vision-budgets", type=bucket_list, default=list(VISION_BUDGETS),
                    help="with --vision: soft tokens per image the tower is compiled for (of 70,140,280,560,1120; "
                         "280 is needed)")
+    p.add_argument("--vision-tp", choices=VISION_TP_MODES, default="auto",
+                   help="with --vision: shard the tower over the ranks or replicate it; auto: shard when that frees "
+                        "more than 64 MiB per rank (the 26B's tower: 0.55 GB)")
     reports = p.add_argument_group("reports (no artifact is written)")
     reports.add_argument("--residency", action="store_true", help="print per-rank device memory by component")
     reports.add_argument("--check-lowering", action="store_true",
@@ -2868,8 +2881,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.contract == "v1":
             p.error("--vision needs --contract v2 or v3 (the block-aware prefill)")
         bad = [b for b in args.vision_budgets if b not in SUPPORTED_BUDGETS]
-        if bad or 280 not in args.vision_budgets:
-            p.error(f"--vision-budgets must be of {SUPPORTED_BUDGETS} and hold 280, got {args.vision_budgets}")
+        if bad:
+            p.error(f"--vision-budgets must be of {SUPPORTED_BUDGETS}, got {args.vision_budgets}")
+        # An artifact serves the processor's default budget; a report may look at any of them.
+        reporting = args.residency or args.check_lowering or args.slot_table
+        if 280 not in args.vision_budgets and not reporting:
+            p.error(f"--vision-budgets must hold 280 (the image processor's default), got {args.vision_budgets}")
     try:
         check_slots(plan_from_args(args))
     except ValueError as exc:
@@ -2900,7 +2917,7 @@ def main(argv: list[str] | None = None) -> int:
                 from transformers import Gemma4VisionConfig
 
                 vcfg = Gemma4VisionConfig(**VISION_26B)
-            sizes.update(vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets))
+            sizes.update(vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets, vision_tp=args.vision_tp))
             sizes["total"] += sizes["vision"]
         extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots, kv-quant={args.kv_quant}"
                                                      if args.contract == "v3" else "")
@@ -2915,7 +2932,7 @@ def main(argv: list[str] | None = None) -> int:
                 from transformers import Gemma4VisionConfig
 
                 vcfg = Gemma4VisionConfig(**VISION_26B)
-            vision = vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets)
+            vision = vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets, vision_tp=args.vision_tp)
         print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant,
                                     vision=vision), args.json)
         return 0
