@@ -15,6 +15,11 @@ land in slots no real query has seen yet, and later decode steps overwrite them 
 
 Contract v2 (`JitGraphV2`) takes embeds and positions only; contract v3 (`JitGraphV3`) adds slot ids and decode
 graphs over several rows, and answers protocol v3 (graphs/base.py) natively. v1 and v2 answer it as one-slot graphs.
+
+Image blocks (a `--vision` build, graph.json `block_ids`): v2's and v3's prefill graphs take `block_ids [1, T]` int64
+last (0 = text, one id > 0 per image; graphs/base.py `VisionEncoder`), padded here with 0 like the chunk; decode takes
+none. `image_blocks` says whether a graph has that input; one without it refuses block ids that name an image (it
+would attend causally where the model attends both ways) and takes all-text ones as it always did.
 """
 
 from __future__ import annotations
@@ -94,6 +99,22 @@ class _CompiledGraph:
         # chunk length -> the bucket it runs at (the smallest that holds it); 1 is the decode graph
         self._bucket_for = {t: next(b for b in spec.buckets if b >= t) for t in range(2, self.prefill_bucket + 1)}
         self._bucket_for[1] = 1
+        self.image_blocks = spec.block_ids  # the prefill graphs take block_ids (the module docs)
+
+    def _block_inputs(self, block_ids: torch.Tensor | None, t: int, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The prefill's block_ids input for a chunk of t tokens run at `bucket` (1: decode, which takes none):
+        padded with 0 (text) to the bucket; all text when None. () for a graph without the input."""
+        if block_ids is not None and block_ids.shape != (1, t):
+            raise ValueError(f"block_ids must be [1, {t}] like the positions, got {tuple(block_ids.shape)}")
+        if not self.image_blocks or bucket == 1:
+            if block_ids is not None and bool((block_ids != 0).any()):
+                where = "a decode step (one token)" if self.image_blocks else "this graph (built without --vision)"
+                raise ValueError(f"block_ids name an image block, and {where} has no image-block input")
+            return ()
+        blocks = torch.zeros(1, bucket, dtype=torch.int64)  # [1, bucket]: pads are text
+        if block_ids is not None:
+            blocks[:, :t] = block_ids
+        return (blocks,)
 
     def _initialize_saved_weights(self, start_rank: int) -> None:
         if hasattr(self.module, "nxd_model"):
@@ -140,14 +161,15 @@ class _CompiledGraph:
         return logits
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T], block_ids [1, T] or None
+        blocks = self._block_inputs(block_ids, t, self._bucket_for[t])
         embeds, positions = self._pad_chunk(embeds, positions)
         inputs = self._contract_inputs(positions)
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
         if on_submit is not None:
             on_submit()
-        logits = self._logits(self.module(embeds, positions, *inputs))  # [1, T', V]
+        logits = self._logits(self.module(embeds, positions, *inputs, *blocks))  # [1, T', V]
         if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()
@@ -164,6 +186,11 @@ class JitGraph(_CompiledGraph, OneSlot):
 
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.inputs.build(positions)  # onehot, full_mask, sliding_mask
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        checked_slots([slot], 1)
+        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit, block_ids=block_ids)
 
     def rewind(self, position: int) -> int:
         # One-hot writes address slots by absolute position: stale slots are simply overwritten.
@@ -184,6 +211,12 @@ class JitGraphV2(_CompiledGraph, OneSlot):
         self._load_weights(path, spec, start_rank)
         self.window, self.ring = spec.sliding_window, spec.sliding_slots
         self._written = -1  # highest position written (pads included) since the cache was last filled from 0
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """OneSlot's prefill, with the image blocks passed on."""
+        checked_slots([slot], 1)
+        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit, block_ids=block_ids)
 
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Recorded before the call: a failed call may have written some layers.
@@ -233,9 +266,10 @@ class JitGraphV3(_CompiledGraph):
         self._slot_ids = [torch.tensor([s]) for s in range(spec.kv_slots)]  # [1] int64 each, made once
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
-        if t == 1:  # one token runs on the decode graph (no bucket of 1)
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t = embeds.shape[1]  # embeds [1, T, H], positions [1, T], block_ids [1, T] or None
+        blocks = self._block_inputs(block_ids, t, self._bucket_for[t])
+        if t == 1:  # one token runs on the decode graph (no bucket of 1); a one-token block sees itself alone
             return self.decode(embeds, positions, [slot], on_submit=on_submit)[:, None]  # [1, 1, V]
         checked_slots([slot], self.slots)
         embeds, positions = self._pad_chunk(embeds, positions)  # [1, bucket, H], [1, bucket]
@@ -243,7 +277,7 @@ class JitGraphV3(_CompiledGraph):
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
         if on_submit is not None:
             on_submit()
-        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot]))  # [1, bucket, V]
+        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot], *blocks))  # [1, bucket, V]
         logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()
 
@@ -286,8 +320,8 @@ class JitGraphV3(_CompiledGraph):
 
     # The one-slot protocol the engine drives today: slot 0.
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit)
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit, block_ids=block_ids)
 
     def rewind(self, position: int) -> int:
         return self.rewind_slot(0, position)

@@ -7,6 +7,7 @@ ARTIFACTS/
   sqz_neff.pt      compiled graph (Neuron) - or model.pt, the same contract traced for CPU
   graph.json       the contract (absent in the published 26B artifacts: defaults below)
   weights/         v2 --weights separate: tp{rank}_sharded_checkpoint.safetensors, one per rank
+  vision.pt        --vision: the vision tower's graph (vision_neff.pt on Neuron); weights/vision/ its per-rank files
   hf/              optional: a transformers checkpoint for the reference graph
 ```
 
@@ -33,7 +34,8 @@ CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV ring
 CONTRACT_V3 = "gemma4-optb/v3"  # v2 with S KV slots (slot ids in) and decode graphs over several rows
 CONTRACTS = (CONTRACT, CONTRACT_V2, CONTRACT_V3)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
-ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors")
+ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors",
+                  "vision.pt", "vision_neff.pt", "weights/vision/*.safetensors")  # the --vision tower's graph
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
 
 _HOW_TO_GET = (
@@ -47,6 +49,39 @@ class UnknownContract(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """graph.json's `vision` (a `--vision` build): the tower's traced graph, the soft-token budgets it is compiled
+    for, and its per-rank weight files (memory-mapped, as the language model's `--weights separate`)."""
+
+    budgets: tuple[int, ...]
+    graph_file: str
+    weight_files: tuple[str, ...]
+    pooling_kernel_size: int
+    patch_dim: int
+    hidden: int
+
+    def patch_rows(self, budget: int) -> int:
+        return budget * self.pooling_kernel_size**2
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> VisionSpec:
+        if not isinstance(data, dict):
+            raise TypeError(f"graph.json's vision: expected a JSON object, got {type(data).__name__}")
+        spec = cls(budgets=tuple(sorted({int(b) for b in data.get("budgets") or ()})), graph_file=str(data["graph_file"]),
+                   weight_files=tuple(str(f) for f in data.get("weight_files") or ()),
+                   pooling_kernel_size=int(data["pooling_kernel_size"]), patch_dim=int(data["patch_dim"]),
+                   hidden=int(data["hidden"]))
+        if not spec.budgets or not spec.weight_files or spec.pooling_kernel_size < 1:
+            raise ValueError("graph.json's vision needs budgets, weight_files and pooling_kernel_size >= 1")
+        return spec
+
+    def to_json(self) -> dict[str, Any]:
+        return {"budgets": list(self.budgets), "graph_file": self.graph_file, "weights": "separate",
+                "weight_files": list(self.weight_files), "pooling_kernel_size": self.pooling_kernel_size,
+                "patch_dim": self.patch_dim, "hidden": self.hidden}
+
+
+@dataclass(frozen=True, slots=True)
 class GraphSpec:
     """What `graph.json` records. The defaults are those of the published 26B xlarge build (no graph.json).
 
@@ -56,6 +91,9 @@ class GraphSpec:
 
     v3 adds `kv_slots` (S independent KV caches; graph.json's `kv_slots` is that count, so v3 records the rings
     under `ring_slots`, where v2 wrote them under `kv_slots`) and `decode_batches` (the compiled decode batch sizes).
+
+    A `--vision` build (v2/v3) adds `block_ids` (its prefill graphs take image-block ids) and `vision` (`VisionSpec`:
+    the tower's graph). Absent, as in every graph.json written before them: False and None.
     """
 
     max_total: int = 512
@@ -72,6 +110,8 @@ class GraphSpec:
     weight_files: tuple[str, ...] = ()
     kv_slots: int = 1  # v3: independent KV caches
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes, ascending
+    block_ids: bool = False  # v2/v3 --vision: the prefill graphs take image-block ids [1, T] (graph.json `block_ids`)
+    vision: VisionSpec | None = None  # a --vision build's tower (graph.json `vision`)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -113,6 +153,8 @@ class GraphSpec:
             weight_files=tuple(str(f) for f in data.get("weight_files") or ()),
             kv_slots=int(data.get("kv_slots", 1)) if v3 else 1,
             decode_batches=tuple(sorted({int(b) for b in data.get("decode_batches") or (1,)})) if v3 else (1,),
+            block_ids=bool(data.get("block_ids")),
+            vision=VisionSpec.from_json(data["vision"]) if data.get("vision") else None,
         )
         if spec.max_total < 2 or not 1 <= min(spec.buckets) <= spec.prefill_bucket <= spec.max_total:
             raise ValueError(f"need 1 <= prefill buckets <= max_total, got {spec.buckets}, {spec.max_total}")
@@ -147,6 +189,10 @@ class GraphSpec:
                           ring_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
                           weight_files=list(self.weight_files), kv_slots=self.kv_slots,
                           decode_batches=list(self.decode_batches))
+        if self.block_ids:
+            record["block_ids"] = {"graphs": "prefill"}
+        if self.vision is not None:
+            record["vision"] = self.vision.to_json()
         return record
 
 

@@ -44,6 +44,21 @@ reading and writing only slot ``slot_ids[b]`` at its own position, with its own 
 ``kv_slots`` map, renamed: ``kv_slots`` is S here) and every cache shape. A batch the host rounds up to a compiled
 size fills its spare rows without touching another slot (graphs/jit.py ``JitGraphV3``).
 
+Images (``--vision``, v2/v3; issue 27). Two additions:
+
+    prefill: model(inputs_embeds, position_ids[, slot_ids], block_ids int64 [1,T]) -> as above   (decode unchanged)
+    tower:   vision(pixel_values f32 [1,P,3*patch**2], position_ids int64 [1,P,2]) -> soft tokens f32 [1,P/k**2,H]
+
+``block_ids``: 0 = text, the tokens of one image share one id > 0 (ids are per call: an image block is always
+inside one prefill call). On the layers the config names (sliding layers when ``use_bidirectional_attention`` is
+"vision") a token also sees its own block's tokens, ahead of it too, within the window: transformers'
+``create_masks_for_vision_model``, AND(window, OR(causal, same block)), built from inputs (``block_visible``); global
+layers stay causal. The tower (``VisionTower``: transformers' vision encoder + ``embed_vision``) is its own graph,
+one per ``--vision-budgets`` size (P = budget * k**2 patch rows, k = pooling_kernel_size, padded at (-1, -1)), TP-
+sharded when that frees enough bytes per rank (``vision_sharded``), weights always in per-rank files
+(``weights/vision/``). graph.json records ``block_ids`` and ``vision``; ``--residency``/``--slot-table --vision``
+count the tower; ``--check-lowering --vision`` lowers the block-aware prefill and each budget's tower.
+
 Design: the decoder layers are transformers' own ``Gemma4TextDecoderLayer`` (attention, router, norms, rotary,
 layer scalars). Only what does not trace or shard is swapped:
   * the sparse experts loop -> ``DenseExperts``: every local expert runs on every token and is weighted by the
@@ -70,6 +85,7 @@ Usage:
     python tp_mb_moe_sqz.py --bench-batched [--quant int8|none] [--steps 16] [--threads 1] [--json]  # measured, CPU
     python tp_mb_moe_sqz.py --slot-table --contract v3 --config CONFIG_JSON [--max-total ...] [--json]  # projection
     v3 flags: --contract v3 --kv-slots S --decode-batches 1,2,4 (reports take them too)
+    images:   --vision [--vision-budgets 70,280] (v2/v3; builds and reports take it)
     Build flags: --experts dense|selective (``SelectiveExperts``: decode reads only the routed experts),
                  --attn-quant none|int8 (attention projections per-channel int8 as well).
 """
@@ -661,13 +677,17 @@ class SlotRingCache:
         return out[0], out[1]
 
 
-def ring_mask(position_ids: torch.Tensor, ring: int, window: int | None) -> torch.Tensor:
+def ring_mask(position_ids: torch.Tensor, ring: int, window: int | None,
+              block_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] positions -> f32 [B, 1, T, R]: 0 where slot j holds a position the query may see, else finfo.min.
 
     Slot j holds, for query q, position q - age with age = (q - j) mod R (the latest position <= q that maps to j;
     Plan.ring_slots guarantees nothing later overwrote it). Visible iff that position exists (age <= q) and is
     inside the window (age < window; global layers: no window). Each row (v3: each KV slot) has its own positions,
     so its own ring and mask.
+
+    With `block_ids` [B, T] (a block-aware prefill, layers that attend bidirectionally within an image): a query
+    also sees every token of its own image block, ahead of it too, within the window (``block_visible``).
     """
     pos = position_ids  # [B, T]
     slots = torch.arange(ring, device=pos.device, dtype=pos.dtype)  # [R]
@@ -675,8 +695,31 @@ def ring_mask(position_ids: torch.Tensor, ring: int, window: int | None) -> torc
     visible = age <= pos[:, :, None]
     if window is not None:
         visible = visible & (age < window)
+    if block_ids is not None:
+        visible = visible | block_visible(pos, block_ids, ring, window)
     neg = torch.finfo(torch.float32).min
     return torch.where(visible, 0.0, neg).to(torch.float32)[:, None]  # [B, 1, T, R]
+
+
+def block_visible(position_ids: torch.Tensor, block_ids: torch.Tensor, ring: int, window: int | None) -> torch.Tensor:
+    """[B, T] positions and image-block ids (0 = text) -> bool [B, T, R]: slot j holds a token of the query's own
+    image block, inside its window.
+
+    transformers' Gemma-4 (``create_masks_for_vision_model``): sliding layers see AND(window, OR(causal, same
+    block)), where the window is one-sided (key > query - window), so a block's later tokens are always inside it.
+    An image block lies inside one prefill call, so its tokens are exactly the slots this call writes: each slot's
+    block id and position are scattered from the call's own tokens (a slot this call does not write keeps block 0
+    and is never a block key, whatever an earlier call left there: ids are per call). No data-dependent control
+    flow: two scatters and elementwise compares, static shapes, as XLA wants.
+    """
+    pos, blocks = position_ids, block_ids.to(position_ids.dtype)  # [B, T] each
+    index = torch.remainder(pos, ring)  # [B, T] the slot each token of the call writes (distinct: T <= R)
+    key_block = torch.zeros(pos.shape[0], ring, dtype=pos.dtype, device=pos.device).scatter(1, index, blocks)  # [B, R]
+    key_pos = torch.zeros(pos.shape[0], ring, dtype=pos.dtype, device=pos.device).scatter(1, index, pos)  # [B, R]
+    same = (key_block[:, None, :] == blocks[:, :, None]) & (blocks[:, :, None] > 0)  # [B, T, R]
+    if window is not None:
+        same = same & (pos[:, :, None] - key_pos[:, None, :] < window)
+    return same
 
 
 @dataclass(frozen=True)
@@ -696,6 +739,8 @@ class Plan:
     kv_slots: int = 1  # v3: independent KV caches (conversations), each one v2 ring per layer
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes (rows per step)
     kv_quant: str = "none"  # v3 "int8": K and V int8 per (slot, head, position) with an f32 scale, opt-in
+    block_ids: bool = False  # v2/v3 (--vision): prefill takes image-block ids [1, T] after its other inputs
+    vision_tp: str = "auto"  # --vision's tower: "auto" (sharded iff it frees enough bytes), "sharded", "replicated"
 
     @property
     def kv_int8(self) -> bool:
@@ -761,6 +806,11 @@ class RecipeModel(nn.Module):
         if plan.contract not in ("v1", "v2", "v3"):
             raise ValueError(f"unknown contract {plan.contract!r}")
         check_slots(plan)
+        if plan.block_ids and not plan.ringed:
+            raise ValueError("image-block ids (--vision) need --contract v2 or v3")
+        # The layers where one image's tokens attend to each other both ways (transformers: sliding layers when
+        # use_bidirectional_attention == "vision"; full-attention layers stay causal). None: block ids change nothing.
+        self.bidirectional = {"sliding_attention"} if cfg.use_bidirectional_attention == "vision" else set()
         tp, int8, dtype = plan.tp, plan.int8, plan.dtype
 
         def linear(lin: nn.Linear, mode: str, quant: bool, gather_output: bool = False) -> ShardLinear:
@@ -874,20 +924,27 @@ class RecipeModel(nn.Module):
         inputs_embeds: torch.Tensor,  # f32 [B, T, H], already x embed scale (B = 1 but for v3 decode)
         position_ids: torch.Tensor,  # int64 [B, T]
         *contract_inputs: torch.Tensor,  # v1: onehot [1,1,MAX,T], full_mask, sliding_mask [1,1,T,MAX]; v3: slot_ids [B]
+        # then, for a block-aware prefill (Plan.block_ids): block_ids int64 [1, T] (0 = text, one id > 0 per image)
     ) -> tuple[torch.Tensor, ...]:
         hidden = inputs_embeds.to(self.plan.dtype)  # [B, T, H]
         rope = {lt: self.rotary_emb(hidden, position_ids, lt) for lt in sorted(set(self.layer_types))}
         # Masks stay f32: a bf16 score plus an f32 mask is computed in f32 (finfo(f32).min would be -inf in bf16).
         if self.plan.ringed:
+            block_ids = None
             if self.plan.contract == "v3":
-                (slot_ids,) = contract_inputs  # [B] int64
+                slot_ids, *blocks = contract_inputs  # [B] int64; a block-aware prefill adds block_ids [1, T]
                 cache = SlotRingCache(self, position_ids, slot_ids)
             else:
+                blocks = list(contract_inputs)  # v2: nothing, or block_ids [1, T] (a block-aware prefill)
                 cache = RingCache(self, position_ids)
+            if blocks:
+                (block_ids,) = blocks
             masks = {}
             for idx, layer_type in enumerate(self.layer_types):
                 if layer_type not in masks:  # every layer of a type has the same ring and window
-                    masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx))  # [B,1,T,R]
+                    blocked = block_ids if layer_type in self.bidirectional else None
+                    masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx),
+                                                  blocked)  # [B, 1, T, R]
         else:
             onehot, full_mask, sliding_mask = contract_inputs
             cache = SlotCache(self, onehot)
@@ -1084,16 +1141,23 @@ def contract_inputs(
 
 
 def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1", batch: int = 1,
-                   slot_ids: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-    """One graph's inputs: T tokens from `start` (v3: B rows, row r at start - 3r, in slot_ids or 0..B-1)."""
+                   slot_ids: list[int] | None = None, blocks: bool = False) -> tuple[torch.Tensor, ...]:
+    """One graph's inputs: T tokens from `start` (v3: B rows, row r at start - 3r, in slot_ids or 0..B-1).
+
+    `blocks` (a block-aware prefill, T > 1): block_ids [1, T] last, an image block of T // 2 tokens in the middle."""
     embeds = torch.randn(batch, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [B, T, H]
     offsets = torch.clamp(start - 3 * torch.arange(batch), min=0)  # [B] distinct rows sit at distinct positions
     positions = offsets[:, None] + torch.arange(t, dtype=torch.int64)  # [B, T]
+    extra: tuple[torch.Tensor, ...] = ()
+    if blocks and t > 1:
+        block_ids = torch.zeros(batch, t, dtype=torch.int64)  # [1, T]
+        block_ids[:, t // 4 : t // 4 + max(t // 2, 1)] = 1 + start % 3  # ids are per call: any id > 0 will do
+        extra = (block_ids,)
     if contract == "v3":
         slots = torch.tensor(slot_ids if slot_ids is not None else list(range(batch)), dtype=torch.int64)  # [B]
-        return embeds.float(), positions, slots
+        return embeds.float(), positions, slots, *extra
     if contract == "v2":
-        return embeds.float(), positions  # v2 builds masks and write slots inside the graph
+        return embeds.float(), positions, *extra  # v2 builds masks and write slots inside the graph
     return contract_inputs(embeds, positions, max_total, cfg.sliding_window)
 
 
@@ -1191,16 +1255,19 @@ SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768)
 
 def fits_core(sizes: Mapping[str, int]) -> bool:
     """Resident bytes plus the larger of the two scratch estimates (a call is a prefill or a decode) within budget."""
-    scratch = max(sizes.get("prefill_scratch_estimate", 0), sizes.get("decode_scratch_estimate", 0))
+    scratch = max(sizes.get("prefill_scratch_estimate", 0), sizes.get("decode_scratch_estimate", 0),
+                  sizes.get("vision_scratch_estimate", 0))  # the tower runs between the LM's calls, not beside them
     return sizes["total"] + scratch <= CORE_BUDGET_BYTES
 
 
 def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decode_batches: tuple[int, ...] = (1, 2, 4),
                slots: Iterable[int] = SLOT_TABLE_SLOTS, max_totals: Iterable[int] = SLOT_TABLE_MAX_TOTAL,
-               kv_quant: str = "none") -> dict:
-    """Per attention mode and MAX: per-rank bytes (resident + scratch) of each slot count, and the most slots that fit."""
+               kv_quant: str = "none", vision: Mapping[str, int] | None = None) -> dict:
+    """Per attention mode and MAX: per-rank bytes (resident + scratch) of each slot count, and the most slots that fit.
+    `vision` (vision_residency): the tower's weights are resident beside the LM's, its scratch is one more call."""
     table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
-                   "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets), "rows": []}
+                   "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets), "rows": [],
+                   **({"vision": dict(vision)} if vision else {})}
     for attn_quant in QUANT_MODES:
         for max_total in max_totals:
             row = {"attn_quant": attn_quant, "max_total": max_total, "bytes": {}, "max_slots": 0}
@@ -1208,8 +1275,12 @@ def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
                 batches = tuple(b for b in decode_batches if b <= s)
                 sizes = residency(text_config, tp, quant, max_total, contract="v3", buckets=buckets,
                                   attn_quant=attn_quant, kv_slots=s, decode_batches=batches, kv_quant=kv_quant)
+                if vision:
+                    sizes.update(vision)
+                    sizes["total"] += vision["vision"]
                 row["bytes"][str(s)] = sizes["total"] + max(sizes["prefill_scratch_estimate"],
-                                                            sizes["decode_scratch_estimate"])
+                                                            sizes["decode_scratch_estimate"],
+                                                            sizes.get("vision_scratch_estimate", 0))
                 if fits_core(sizes):
                     row["max_slots"] = s
             table["rows"].append(row)
@@ -1218,6 +1289,11 @@ def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
 
 def print_slot_table(table: Mapping, as_json: bool) -> None:
     slots = list(table["rows"][0]["bytes"])
+    vision = table.get("vision")
+    if vision:
+        print(f"with the vision tower: {vision['vision'] / 1e9:.3f} GB resident per rank "
+              f"({'sharded' if vision['vision_sharded'] else 'replicated'}), "
+              f"{vision['vision_scratch_estimate'] / 1e9:.3f} GB scratch at the largest budget")
     print(f"PROJECTION: per-rank GB (resident + scratch) by KV slots, tp={table['tp']}, quant={table['quant']}, "
           f"kv-quant={table['kv_quant']}, "
           f"buckets {table['prefill_buckets']}; fits = within {table['budget_bytes'] / 1e9:.0f} GB of the core's 16")
@@ -1233,7 +1309,8 @@ def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: in
                     contract: str = "v1", extra: str = "") -> None:
     print(f"per-rank device residency (contract {contract}, tp={tp}, quant={quant}, MAX={max_total}{extra}, "
           "bf16 compute)")
-    for comp in (*COMPONENTS, "total", "prefill_scratch_estimate", "decode_scratch_estimate"):
+    for comp in (*COMPONENTS, "vision", "total", "prefill_scratch_estimate", "decode_scratch_estimate",
+                 "vision_scratch_estimate"):
         if comp in sizes:
             print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
     verdict = "fits" if fits_core(sizes) else "does NOT fit"
@@ -1249,7 +1326,7 @@ def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: in
 LOWERING_NOTE = "lowering is necessary for neuronx-cc, not sufficient"
 
 
-def check_lowering(cfg, plan: Plan) -> dict:
+def check_lowering(cfg, plan: Plan, vision_config=None, budgets: Iterable[int] = ()) -> dict:
     """Build the device module (rank-local shapes, KV as aliased states) on the XLA device with random weights and
     run every graph twice at different positions. Pass: no aten:: fallback, one compilation on the first call of a
     graph, none on the second. The collectives are identity here (one process); NxD puts its own in.
@@ -1285,7 +1362,7 @@ def check_lowering(cfg, plan: Plan) -> dict:
         # other slots too (the second call's slots counted down from the last one).
         for start, slots in ((0 if t > 1 else min(plan.buckets), list(range(batch))),
                              (plan.max_total - t, [last_slot - r for r in range(batch)])):
-            example = example_inputs(cfg, t, start, plan.max_total, plan.contract, batch, slots)
+            example = example_inputs(cfg, t, start, plan.max_total, plan.contract, batch, slots, plan.block_ids)
             inputs = [x.to(device) for x in example]
             before = counters()
             out = model(*inputs)
@@ -1313,8 +1390,11 @@ def check_lowering(cfg, plan: Plan) -> dict:
         experts = decode_experts(plan, cfg)[batch] if plan.contract == "v3" and t == 1 else None
         graphs.append({"graph": key, "T": t, "B": batch, **({"experts": experts} if experts else {}),
                        "calls": calls, "pass": ok})
+    if vision_config is not None:
+        graphs += lower_vision(vision_config, cfg, plan, budgets, device, counters)
     return {
         "contract": plan.contract,
+        "block_ids": plan.block_ids,  # --vision: the prefill graphs take image-block ids (lowered with a block)
         **({"kv_slots": plan.kv_slots, "decode_batches": list(plan.decode_batches), "kv_quant": plan.kv_quant}
            if plan.contract == "v3" else {}),
         "max_total": plan.max_total,
@@ -1330,11 +1410,65 @@ def check_lowering(cfg, plan: Plan) -> dict:
     }
 
 
+def randomize_vision(tower: VisionTower, seed: int = 0) -> None:
+    """Random tower weights of a sane scale; clip bounds wide open, standardization the identity."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            if name.endswith(("input_min", "output_min")):
+                p.fill_(-1e4)
+            elif name.endswith(("input_max", "output_max")):
+                p.fill_(1e4)
+            elif name.endswith("std_bias"):
+                p.zero_()
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            else:
+                p.fill_(1.0)
+
+
+def lower_vision(vision_config, text_config, plan: Plan, budgets: Iterable[int], device, counters) -> list[dict]:
+    """check_lowering's part for the tower: each budget's graph called twice, with images of two aspects (other real
+    rows, other pad rows), rank-local shapes (sharded when the bytes say so), identity collectives."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    tower = build_vision(vision_config, text_config, Plan(tp=plan.tp, dtype=plan.dtype, vision_tp=plan.vision_tp))
+    randomize_vision(tower)
+    tower.to(device)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    graphs = []
+    for budget in sorted(budgets):
+        calls = []
+        for aspect in ((1, 1), (3, 2)):
+            pixels, positions = vision_example(vision_config, budget, aspect)
+            before = counters()
+            out = tower(pixels.to(device), positions.to(device))
+            torch_xla.sync()
+            xm.wait_device_ops()
+            finite = bool(torch.isfinite(out.cpu()).all())
+            after = counters()
+            delta = {n: v - before.get(n, 0) for n, v in after.items() if v != before.get(n, 0)}
+            calls.append({"aspect": list(aspect), "real_rows": int((positions[0] != -1).all(-1).sum()),
+                          "compilations": delta.get("UncachedCompile", 0),
+                          "aten_fallbacks": {n: v for n, v in delta.items() if n.startswith("aten::")},
+                          "finite_logits": finite})
+        ok = (not any(c["aten_fallbacks"] for c in calls) and calls[0]["compilations"] == 1
+              and calls[1]["compilations"] == 0 and all(c["finite_logits"] for c in calls))
+        k = int(vision_config.pooling_kernel_size)
+        graphs.append({"graph": f"vision_{budget}", "T": budget * k * k, "B": 1, "sharded": tower.sharded,
+                       "calls": calls, "pass": ok})
+    return graphs
+
+
 def print_lowering(report: Mapping, as_json: bool) -> None:
     print(f"lowering check on torch-xla {report['torch_xla']} (contract {report['contract']}, MAX={report['max_total']},"
           f" buckets {report['prefill_buckets']}, tp={report['tp']} rank-local, quant={report['quant']},"
           f" experts={report['experts']}, attn-quant={report['attn_quant']}): "
           f"{LOWERING_NOTE}")
+    if report.get("block_ids"):
+        print("  block-aware prefill: block_ids [1, T] in, an image block in every prefill call")
     if "kv_slots" in report:
         print(f"  {report['kv_slots']} KV slots, decode batches {report['decode_batches']}, kv-quant {report['kv_quant']}")
     print(f"  {'graph':<14} {'B':>3} {'T':>5} {'compiles 1st/2nd':>17}  aten:: fallbacks")
@@ -1343,6 +1477,8 @@ def print_lowering(report: Mapping, as_json: bool) -> None:
         fallbacks = {k: v for c in g["calls"] for k, v in c["aten_fallbacks"].items()} or "none"
         verdict = "ok" if g["pass"] else "FAIL"
         experts = f"  experts {g['experts']}" if "experts" in g else ""
+        if "sharded" in g:
+            experts = "  tower " + ("TP-sharded" if g["sharded"] else "replicated")
         print(f"  {g['graph']:<14} {g['B']:>3} {g['T']:>5} {first['compilations']:>8}/{second['compilations']:<8}  "
               f"{fallbacks}  {verdict}{experts}")
     print("PASS" if report["pass"] else "FAIL")
@@ -1844,6 +1980,14 @@ def write_graph_json(
             "weights": "separate" if weight_files else "inside",
             "weight_files": list(weight_files or []),
         }
+    if plan is not None and plan.block_ids:
+        record["inputs"]["block_ids"] = ["int64", [1, "T"]]
+        record["block_ids"] = {
+            "graphs": "prefill",  # decode takes no block ids: a decode step never holds an image token
+            "meaning": "0 = text; the tokens of one image share one id > 0 (ids are per call)",
+            "bidirectional_layers": sorted({"sliding_attention"} & (
+                {"sliding_attention"} if cfg.use_bidirectional_attention == "vision" else set())),
+        }
     (out / "graph.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -1957,6 +2101,52 @@ class ContractDispatchV3(nn.Module):
         raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
 
 
+class ContractDispatchV2Blocks(nn.Module):
+    """ContractDispatchV2 of a block-aware build: prefill takes block_ids [1, T] (absent: all text), decode does not
+    (a decode step never holds an image token)."""
+
+    def __init__(self, core: nn.Module, buckets: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                block_ids: torch.Tensor | None = None):
+        t = inputs_embeds.size(1)
+        if t == 1:
+            return self.core.decode(inputs_embeds, position_ids)
+        if t in self.buckets:
+            if block_ids is None:
+                block_ids = torch.zeros_like(position_ids)
+            return self.core.prefill(inputs_embeds, position_ids, block_ids)
+        raise RuntimeError("no graph for this input shape: T must be 1 (decode) or one of the prefill buckets")
+
+
+class ContractDispatchV3Blocks(nn.Module):
+    """ContractDispatchV3 of a block-aware build: prefill takes block_ids [1, T] after slot_ids (absent: all text)."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], decode_batches: list[int], selective_rows: int) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.decode_batches = decode_batches
+        self.selective_rows = selective_rows
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, slot_ids: torch.Tensor,
+                block_ids: torch.Tensor | None = None):
+        b = inputs_embeds.size(0)
+        t = inputs_embeds.size(1)
+        if t == 1 and b in self.decode_batches:
+            if b <= self.selective_rows:
+                return self.core.decode(inputs_embeds, position_ids, slot_ids)
+            return self.core.decode_dense(inputs_embeds, position_ids, slot_ids)
+        if b == 1 and t in self.buckets:
+            if block_ids is None:
+                block_ids = torch.zeros_like(position_ids)
+            return self.core.prefill(inputs_embeds, position_ids, slot_ids, block_ids)
+        raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
+
+
 def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     """prefill and decode (T=1) traced into one module over one set of KV buffers.
 
@@ -1966,7 +2156,7 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     max_total, contract = model.plan.max_total, model.plan.contract
     first = min(model.plan.buckets) if model.plan.ringed else bucket
     inputs = {
-        "prefill": example_inputs(cfg, first, 0, max_total, contract),
+        "prefill": example_inputs(cfg, first, 0, max_total, contract, blocks=model.plan.block_ids),
         "decode": example_inputs(cfg, 1, first, max_total, contract),
     }
     if contract == "v3":
@@ -1988,12 +2178,15 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
             if name in set(model.state_names):
                 buf.zero_()  # tracing ran the graphs once; ship empty caches
         model.reset_states()
+        blocks = model.plan.block_ids
         if contract == "v3":
             rows = max(selective) if selective else 0
-            return torch.jit.script(ContractDispatchV3(traced, sorted(model.plan.buckets),
-                                                       list(model.plan.decode_batches), rows))
+            dispatch_v3 = ContractDispatchV3Blocks if blocks else ContractDispatchV3
+            return torch.jit.script(dispatch_v3(traced, sorted(model.plan.buckets), list(model.plan.decode_batches),
+                                                rows))
         if contract == "v2":
-            return torch.jit.script(ContractDispatchV2(traced, sorted(model.plan.buckets)))
+            dispatch_v2 = ContractDispatchV2Blocks if blocks else ContractDispatchV2
+            return torch.jit.script(dispatch_v2(traced, sorted(model.plan.buckets)))
         return torch.jit.script(ContractDispatch(traced, bucket))
 
 
@@ -2027,7 +2220,8 @@ def write_rank_weights(out: Path, model: RecipeModel, full: Mapping[str, torch.T
 def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
     values: dict = dict(tp=args.tp, quant=args.quant, max_total=args.max_total, contract=args.contract,
                         buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant,
-                        kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant)
+                        kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
+                        block_ids=bool(args.vision), vision_tp=args.vision_tp)
     values.update(overrides)
     return Plan(**values)
 
@@ -2044,7 +2238,7 @@ def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path
     # Run it once before tracing: a broken checkpoint shows up as non-finite logits, not a silent artifact.
     first = min(plan.buckets)
     with torch.no_grad():
-        logits = model(*example_inputs(cfg, first, 0, args.max_total, plan.contract))[0]
+        logits = model(*example_inputs(cfg, first, 0, args.max_total, plan.contract, blocks=plan.block_ids))[0]
         step = model(*example_inputs(cfg, 1, first, args.max_total, plan.contract))[0]
     if not (torch.isfinite(logits).all() and torch.isfinite(step).all()):
         raise RuntimeError("non-finite logits from the CPU module; refusing to write the artifact")
@@ -2209,7 +2403,7 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         builder.add(
             key=key,
             model_instance=Instance(),
-            example_inputs=[example_inputs(cfg, t, start, args.max_total, plan.contract, batch)],
+            example_inputs=[example_inputs(cfg, t, start, args.max_total, plan.contract, batch, blocks=plan.block_ids)],
             compiler_args=args.compiler_args,  # None: NxD's defaults, on purpose (see NEURON_NOTES' comment)
         )
     separate = args.weights == "separate"
@@ -2240,6 +2434,350 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
     if not args.keep_compiler_workdir:
         shutil.rmtree(workdir)  # ~26.7 GB of sharded weights + NEFFs; sqz_neff.pt carries the weights itself
     return record
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The vision tower (--vision): transformers' Gemma-4 vision encoder + embed_vision, its own graph per budget
+# --------------------------------------------------------------------------------------------------------------------
+
+# NxD's shard names, in a folder of their own beside the language model's
+VISION_WEIGHTS = "weights/vision/tp{rank}_sharded_checkpoint.safetensors"
+VISION_GRAPH = "vision.pt"  # --target cpu; --target neuron writes vision_neff.pt (one NEFF per budget, shared weights)
+# Soft tokens per image (max_soft_tokens; the processor allows 70/140/280/560/1120) built by default. 1120 builds too,
+# at ~3.4 GB of scratch per core for one layer's f32 [heads, 10080, 10080] scores (--residency --vision).
+VISION_BUDGETS = (70, 280)
+SUPPORTED_BUDGETS = (70, 140, 280, 560, 1120)
+# The 26B-A4B's tower when a config has no vision_config (a text-only config.json given to --residency): 27 layers of
+# width 1152, 16 heads of 72, MLP 4304, patch 16, projection into the text width 2816 (the GGUF projector's metadata
+# of the published checkpoint, ollama gemma4:26b-a4b-it, blob d8e2de16e175); pooling 3 and a 10,240-row position
+# table are transformers' Gemma4VisionConfig defaults.
+VISION_26B = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  num_key_value_heads=16, head_dim=72, patch_size=16, pooling_kernel_size=3,
+                  position_embedding_size=10240)
+# Shard the tower over the ranks only when that frees more than this per rank: below it the two all-reduces per layer
+# cost more than the bytes are worth (a tiny test tower); the 26B's tower frees ~0.55 GB per rank (KV slots).
+VISION_SHARD_MIN_BYTES = 64 * 2**20
+VISION_TP_MODES = ("auto", "sharded", "replicated")
+
+
+def vision_config_from_dict(raw: Mapping) -> object | None:
+    """The checkpoint's ``Gemma4VisionConfig`` (None when config.json has no vision tower)."""
+    from transformers import Gemma4VisionConfig
+
+    data = raw.get("vision_config")
+    if not data:
+        return None
+    data = dict(data)
+    data.pop("model_type", None)
+    data.pop("architectures", None)
+    return Gemma4VisionConfig(**data)
+
+
+def vision_sharded(vcfg, tp: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the tower is TP-sharded (attention heads and MLP split like the language model's) or replicated on
+    every rank, chosen by bytes: sharding frees (tp - 1) / tp of the layer weights on each rank."""
+    heads, kv, inter = vcfg.num_attention_heads, vcfg.num_key_value_heads, vcfg.intermediate_size
+    if tp < 2 or heads % tp or kv % tp or inter % tp:
+        return False
+    width = torch.finfo(dtype).bits // 8
+    per_layer = (2 * heads + 2 * kv) * vcfg.head_dim * vcfg.hidden_size + 3 * vcfg.hidden_size * inter
+    freed = vcfg.num_hidden_layers * per_layer * width * (tp - 1) // tp
+    return freed > VISION_SHARD_MIN_BYTES
+
+
+class VisionTower(nn.Module):
+    """``Gemma4Model.get_image_features(...).pooler_output`` of one image as a static graph.
+
+        tower(pixel_values f32 [1, P, 3 * patch**2], position_ids int64 [1, P, 2]) -> soft tokens f32 [1, P // k**2, H]
+
+    P = budget * k**2 patch rows (k = pooling_kernel_size), padded with position (-1, -1) as the image processor pads
+    them; the first N = real patches // k**2 rows are the image's soft tokens (the host slices them; the rest is the
+    pooled padding transformers strips with a boolean index, a data-dependent shape no device graph can have).
+
+    Built from transformers' own modules (patch embedder, encoder layers, rotary, embed_vision) under their checkpoint
+    names (``vision_tower.*``, ``embed_vision.*``); only what does not trace statically is rewritten: the padding mask
+    (an additive f32 mask from the positions), the pooler's ``one_hot`` (a compare with an arange) and the strip.
+    TP (``sharded``): q/k/v and gate/up column-parallel, o and down row-parallel (``ShardLinear``), the rest replicated.
+    """
+
+    def __init__(self, vision_config, text_config, *, tp: int = 1, sharded: bool = False,
+                 dtype: torch.dtype = torch.float32, coll: Collectives = LOCAL) -> None:
+        super().__init__()
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+
+        cfg = copy.deepcopy(vision_config)
+        cfg._attn_implementation = "eager"  # the mask comes in as a tensor, added as it is
+        self.vision_config = cfg
+        self.k = int(cfg.pooling_kernel_size)
+        self.vision_tower = Gemma4VisionModel(cfg)
+        self.embed_vision = Gemma4MultimodalEmbedder(cfg, text_config)
+        self.tp, self.sharded = tp, sharded
+        split = sharded and tp > 1
+        for layer in self.vision_tower.encoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for owner, name, mode in ((attn, "q_proj", "col"), (attn, "k_proj", "col"), (attn, "v_proj", "col"),
+                                      (attn, "o_proj", "row"), (mlp, "gate_proj", "col"), (mlp, "up_proj", "col"),
+                                      (mlp, "down_proj", "row")):
+                clipped = getattr(owner, name)  # Gemma4ClippableLinear: clamp, linear, clamp
+                lin = clipped.linear
+                clipped.linear = ShardLinear(lin.in_features, lin.out_features, mode=mode if split else "replicated",
+                                             tp=tp, quant=False, dtype=dtype, coll=coll)
+                # A row-parallel output is all-reduced inside ShardLinear, before the output clamp; scalar clamps
+                # commute with a column split. The bounds are buffers in transformers; as parameters they are
+                # checkpoint weights to NxD (a buffer would be traced with its init value, as layer_scalar was).
+                for bound in ("input_min", "input_max", "output_min", "output_max"):
+                    if hasattr(clipped, bound):
+                        value = getattr(clipped, bound).detach().clone()
+                        delattr(clipped, bound)
+                        setattr(clipped, bound, nn.Parameter(value, requires_grad=False))
+        tower = self.vision_tower
+        for name in ("std_bias", "std_scale"):
+            if hasattr(tower, name):
+                value = getattr(tower, name).detach().clone()
+                delattr(tower, name)
+                setattr(tower, name, nn.Parameter(value, requires_grad=False))
+        for p in self.parameters():
+            p.requires_grad_(False)
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)  # keeps the Parameter object and its TP attributes
+        self.dtype = dtype
+
+    def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        tower, cfg, k = self.vision_tower, self.vision_config, self.k
+        padding = (position_ids == -1).all(dim=-1)  # [1, P] True on pad rows
+        hidden = tower.patch_embedder(pixel_values, position_ids, padding)  # [1, P, Hv]
+        # transformers' bidirectional mask: every query sees every real patch, no pad one
+        neg = torch.finfo(torch.float32).min
+        mask = torch.where(padding, neg, 0.0).to(torch.float32)[:, None, None, :]  # [1, 1, 1, P]
+        rope = tower.encoder.rotary_emb(hidden, position_ids)
+        for layer in tower.encoder.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=position_ids)  # [1,P,Hv]
+        hidden = hidden.masked_fill(padding[..., None], 0.0)  # [1, P, Hv]
+        if k > 1:
+            # Gemma4VisionPooler._avg_pool_by_positions with the one-hot as a compare: patch (x, y) averages into
+            # soft token x // k + (width // k) * (y // k); pad rows (clamped to (0, 0)) add zeros to token 0.
+            length = pixel_values.size(1) // (k * k)
+            clamped = position_ids.clamp(min=0)  # [1, P, 2]
+            max_x = clamped[..., 0].max(dim=-1, keepdim=True)[0] + 1  # [1, 1]
+            kernel = torch.div(clamped, k, rounding_mode="floor")  # [1, P, 2]
+            kernel = kernel[..., 0] + (max_x // k) * kernel[..., 1]  # [1, P]
+            tokens = torch.arange(length, device=kernel.device, dtype=kernel.dtype)  # [L]
+            weights = (kernel[..., None] == tokens).float() / (k * k)  # [1, P, L]
+            hidden = (weights.transpose(1, 2) @ hidden.float()).to(hidden.dtype)  # [1, L, Hv]
+        hidden = hidden.float() * tower.pooler.root_hidden_size  # [1, L, Hv] f32, as the pooler returns it
+        if cfg.standardize:
+            hidden = (hidden - tower.std_bias.float()) * tower.std_scale.float()
+        hidden = hidden.to(self.dtype)
+        return self.embed_vision(hidden).float()  # [1, L, H] f32
+
+    def budget(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """What trace_module traces per soft-token budget (one graph each on Neuron; one CPU trace serves all)."""
+        return self.forward(*inputs)
+
+
+def build_vision(vision_config, text_config, plan: Plan, coll: Collectives = LOCAL,
+                 device: str | torch.device = "cpu") -> VisionTower:
+    if plan.vision_tp not in VISION_TP_MODES:
+        raise ValueError(f"vision_tp must be one of {VISION_TP_MODES}, got {plan.vision_tp!r}")
+    sharded = vision_sharded(vision_config, plan.tp, plan.dtype) if plan.vision_tp == "auto" else (
+        plan.vision_tp == "sharded" and plan.tp > 1)
+    if sharded and any(n % plan.tp for n in (vision_config.num_attention_heads, vision_config.num_key_value_heads,
+                                             vision_config.intermediate_size)):
+        raise ValueError(f"the vision tower's heads / kv heads / intermediate size do not split over tp={plan.tp}")
+    with torch.device(device):
+        tower = VisionTower(vision_config, text_config, tp=plan.tp, sharded=sharded, dtype=plan.dtype, coll=coll)
+    return tower.eval()
+
+
+def vision_example(vcfg, budget: int, aspect: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image's processor-shaped inputs at `budget`: the largest grid of k x k cells of aspect w:h that fits,
+    row-major (x fastest, as the image processor emits them), then pad rows at (-1, -1)."""
+    k, patch = int(vcfg.pooling_kernel_size), int(vcfg.patch_size)
+    rows = budget * k * k
+    w, h = aspect
+    scale = max(1, int((budget / (w * h)) ** 0.5))
+    cw, ch = max(1, w * scale), max(1, h * scale)
+    while cw * ch > budget:  # cells of k x k patches
+        cw, ch = max(1, cw - (cw >= ch)), max(1, ch - (ch > cw))
+    gx, gy = cw * k, ch * k
+    ys, xs = torch.meshgrid(torch.arange(gy), torch.arange(gx), indexing="ij")
+    real = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)  # [gx * gy, 2] (x, y)
+    positions = torch.full((rows, 2), -1, dtype=torch.int64)
+    positions[: real.shape[0]] = real
+    pixels = torch.rand(rows, 3 * patch * patch)
+    pixels[real.shape[0]:] = 0.0  # the processor pads pixels with zeros
+    return pixels[None], positions[None]  # [1, P, D], [1, P, 2]
+
+
+def vision_prefix(reader: CheckpointReader) -> str:
+    probe = "vision_tower.patch_embedder.input_proj.weight"
+    for prefix in ("model.", ""):
+        if prefix + probe in reader._where:
+            return prefix
+    raise KeyError(f"--vision: no vision tower ({probe}) in {reader.directory}")
+
+
+def convert_vision(reader: CheckpointReader, tower: VisionTower) -> dict[str, torch.Tensor]:
+    """Every weight of the tower as a full-size tensor in the tower's dtype, by the module's own names."""
+    prefix = vision_prefix(reader)
+    full = {}
+    for name, param in tower.named_parameters():
+        key = prefix + name
+        if key not in reader._where:
+            raise KeyError(f"{key} missing from the checkpoint in {reader.directory}")
+        tensor = reader._where[key].get_tensor(key)
+        if tensor.is_floating_point():
+            tensor = tensor.to(param.dtype)
+        expected = list(param.shape)
+        if is_parallel(param):
+            expected[param.partition_dim] *= tower.tp
+        if list(tensor.shape) != expected:
+            raise ValueError(f"{name}: checkpoint gives {list(tensor.shape)}, the tower expects {expected}")
+        full[name] = tensor.contiguous()
+    return full
+
+
+def vision_residency(vision_config, text_config, tp: int, dtype: torch.dtype = torch.bfloat16,
+                     budgets: Iterable[int] = VISION_BUDGETS, vision_tp: str = "auto") -> dict[str, int]:
+    """Device bytes of the tower per rank, and what one call at the largest budget holds at once on top (an
+    estimate: the f32 [heads, P, P] scores of one layer, the [P, Hv] hidden states and MLP activations)."""
+    from accelerate import init_empty_weights
+
+    plan = Plan(tp=tp, dtype=dtype, vision_tp=vision_tp)
+    with init_empty_weights(include_buffers=True):
+        tower = build_vision(vision_config, text_config, plan, device="meta")
+    weights = sum(t.numel() * t.element_size() for t in tower.parameters())
+    k = int(vision_config.pooling_kernel_size)
+    p = max(budgets) * k * k
+    heads = vision_config.num_attention_heads // (tp if tower.sharded else 1)
+    inter = vision_config.intermediate_size // (tp if tower.sharded else 1)
+    width = torch.finfo(dtype).bits // 8
+    scratch = 4 * heads * p * p + width * p * (4 * vision_config.hidden_size + 2 * inter)
+    return {"vision": weights, "vision_scratch_estimate": scratch, "vision_sharded": int(tower.sharded)}
+
+
+def trace_vision(tower: VisionTower, vcfg, budgets: Iterable[int]) -> torch.jit.ScriptModule:
+    """The tower traced once on CPU: its ops take their sizes from the inputs (as v2's prefill serves every bucket),
+    so one trace serves every budget; tests/test_vision_graph.py runs each built budget against transformers."""
+    first = min(budgets)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        return torch.jit.trace_module(tower, {"forward": vision_example(vcfg, first)}, check_trace=False)
+
+
+def vision_record(vcfg, text_config, tower: VisionTower, budgets: list[int], graph_file: str,
+                  weight_files: list[str]) -> dict:
+    """graph.json's `vision`: what the host sends the tower and what it gets back, per budget."""
+    k, patch = int(vcfg.pooling_kernel_size), int(vcfg.patch_size)
+    return {
+        "budgets": sorted(budgets),
+        "patch_rows": {str(b): b * k * k for b in sorted(budgets)},
+        "pooling_kernel_size": k,
+        "patch_size": patch,
+        "patch_dim": 3 * patch * patch,
+        "hidden": int(text_config.hidden_size),
+        "vision_hidden": int(vcfg.hidden_size),
+        "inputs": {"pixel_values": ["float32", [1, "P", 3 * patch * patch]], "position_ids": ["int64", [1, "P", 2]]},
+        "outputs": {"soft_tokens": ["float32", [1, "P / pooling_kernel_size**2", int(text_config.hidden_size)]]},
+        "real_rows": "the first (rows with position_ids != (-1, -1)) / pooling_kernel_size**2 output rows",
+        "tp": tower.tp,
+        "sharded": tower.sharded,
+        "graph_file": graph_file,
+        "files": {str(b): graph_file for b in sorted(budgets)},
+        "weights": "separate",
+        "weight_files": list(weight_files),
+    }
+
+
+def write_vision_weights(out: Path, tower: VisionTower, full: Mapping[str, torch.Tensor]) -> list[str]:
+    """One safetensors file per rank (the tower's rank-local shards), memory-mapped by the server like the LM's."""
+    from safetensors.torch import save_file
+
+    files = []
+    for rank in range(tower.tp):
+        rel = VISION_WEIGHTS.format(rank=rank)
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        save_file(shard_state_dict(tower, full, rank, tower.tp), str(out / rel))
+        files.append(rel)
+    return files
+
+
+def build_vision_cpu(args: argparse.Namespace, raw: Mapping, cfg, reader: CheckpointReader, out: Path) -> dict:
+    vcfg = vision_config_from_dict(raw)
+    if vcfg is None:
+        raise SystemExit("--vision: the checkpoint's config.json has no vision_config")
+    plan = Plan(tp=1, dtype=DTYPES[args.dtype or "float32"])
+    tower = build_vision(vcfg, cfg, plan)
+    full = convert_vision(reader, tower)
+    tower.load_state_dict(full, strict=False)
+    with torch.no_grad():
+        probe = tower(*vision_example(vcfg, min(args.vision_budgets)))
+    if not torch.isfinite(probe).all():
+        raise RuntimeError("non-finite soft tokens from the CPU tower; refusing to write the artifact")
+    traced = trace_vision(tower, vcfg, args.vision_budgets)
+    weight_files = write_vision_weights(out, tower, full)
+    for name, _ in tower.named_parameters():  # the server attaches the mapped per-rank tensors by name
+        owner_path, leaf = name.rsplit(".", 1)
+        owner = functools.reduce(getattr, owner_path.split("."), traced)
+        setattr(owner, leaf, torch.empty(0, dtype=getattr(owner, leaf).dtype))
+    torch.jit.save(traced, str(out / VISION_GRAPH))
+    return vision_record(vcfg, cfg, tower, list(args.vision_budgets), VISION_GRAPH, weight_files)
+
+
+def build_vision_neuron(args: argparse.Namespace, raw: Mapping, cfg, out: Path, reader: CheckpointReader) -> dict:
+    """The tower as one ModelBuilder model with a graph (key) per budget over one set of weights, written per rank to
+    weights/vision/ (NxD's shard names) and handed to nxd_model.initialize by the server, like the language model's
+    --weights separate. Not run here (no Neuron host); the CPU trace and the lowering check cover the module."""
+    nxd = import_neuron()
+    mappings, nxd_trace = nxd["mappings"], nxd["nxd_trace"]
+    BaseModelInstance, ModelBuilder = nxd["BaseModelInstance"], nxd["ModelBuilder"]  # noqa: N806
+    vcfg = vision_config_from_dict(raw)
+    if vcfg is None:
+        raise SystemExit("--vision: the checkpoint's config.json has no vision_config")
+    registry = "__SUPPORTED_SHARDED_MODULES"
+    known = tuple(getattr(nxd_trace, registry))
+    setattr(nxd_trace, registry, known + tuple(c for c in (ShardLinear,) if c not in known))
+    coll = Collectives(all_reduce=mappings.reduce_from_tensor_model_parallel_region,
+                       gather_last=mappings.gather_from_tensor_model_parallel_region)
+    plan = Plan(tp=args.tp, dtype=DTYPES[args.dtype or "bfloat16"], vision_tp=args.vision_tp)
+
+    def device_tower() -> VisionTower:
+        tower = build_vision(vcfg, cfg, plan, coll, device="meta")
+        tags = {n: (p.partition_dim, p.num_partitions, p.partition_stride)
+                for n, p in tower.named_parameters() if is_parallel(p)}
+        tower.to_empty(device="cpu")
+        for name, p in tower.named_parameters():
+            if name in tags and not is_parallel(p):
+                mark_parallel(p, *tags[name])
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionRotaryEmbedding
+
+        tower.vision_tower.encoder.rotary_emb = Gemma4VisionRotaryEmbedding(tower.vision_config)  # baked constants
+        return tower.eval()
+
+    class Instance(BaseModelInstance):
+        def __init__(self) -> None:
+            super().__init__(module_cls=device_tower, input_output_aliases={})
+
+        def load_module(self) -> None:
+            self.module = self.module_cls()
+            self.input_output_aliases = [{}]
+
+    template = build_vision(vcfg, cfg, plan, device="meta")
+    builder = ModelBuilder(router=None, tp_degree=args.tp, checkpoint_loader=lambda: convert_vision(reader, template),
+                           compiler_workdir=str(out / "compiler_workdir_vision"))
+    for budget in args.vision_budgets:
+        builder.add(key=f"vision_{budget}", model_instance=Instance(), example_inputs=[vision_example(vcfg, budget)],
+                    compiler_args=args.compiler_args)
+    nxd_model = builder.trace(initialize_model_weights=False)
+    (out / VISION_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+    builder.shard_checkpoint(str((out / VISION_WEIGHTS).parent))
+    torch.jit.save(nxd_model, str(out / "vision_neff.pt"))
+    check_sharded_checkpoint(template, (out / VISION_WEIGHTS).parent, args.tp)
+    if not args.keep_compiler_workdir:
+        shutil.rmtree(out / "compiler_workdir_vision")
+    return vision_record(vcfg, cfg, template, list(args.vision_budgets), "vision_neff.pt",
+                         [VISION_WEIGHTS.format(rank=r) for r in range(args.tp)])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -2288,6 +2826,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="neuronx-cc flags (default: NxD ModelBuilder's, --auto-cast=none --model-type=transformer -O1)")
     p.add_argument("--keep-compiler-workdir", action="store_true",
                    help="--target neuron: keep OUT/compiler_workdir (sharded weights + NEFFs, ~26.7 GB for the 26B)")
+    p.add_argument("--vision", action="store_true",
+                   help="v2/v3: also build the vision tower + embed_vision as its own graph (one per --vision-budgets), "
+                        "and make the language graph's prefill take image-block ids (bidirectional within an image)")
+    p.add_argument("--vision-budgets", type=bucket_list, default=list(VISION_BUDGETS),
+                   help="with --vision: soft tokens per image the tower is compiled for (of 70,140,280,560,1120; "
+                        "280 is needed)")
+    p.add_argument("--vision-tp", choices=VISION_TP_MODES, default="auto",
+                   help="with --vision: shard the tower over the ranks or replicate it; auto: shard when that frees "
+                        "more than 64 MiB per rank (the 26B's tower: 0.55 GB)")
     reports = p.add_argument_group("reports (no artifact is written)")
     reports.add_argument("--residency", action="store_true", help="print per-rank device memory by component")
     reports.add_argument("--check-lowering", action="store_true",
@@ -2330,6 +2877,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need 1 < every prefill bucket <= --max-total")
     if args.experts is None:
         args.experts = "selective" if args.contract in ("v2", "v3") else "dense"
+    if args.vision:
+        if args.contract == "v1":
+            p.error("--vision needs --contract v2 or v3 (the block-aware prefill)")
+        bad = [b for b in args.vision_budgets if b not in SUPPORTED_BUDGETS]
+        if bad:
+            p.error(f"--vision-budgets must be of {SUPPORTED_BUDGETS}, got {args.vision_budgets}")
+        # An artifact serves the processor's default budget; a report may look at any of them.
+        reporting = args.residency or args.check_lowering or args.slot_table
+        if 280 not in args.vision_budgets and not reporting:
+            p.error(f"--vision-budgets must hold 280 (the image processor's default), got {args.vision_budgets}")
     try:
         check_slots(plan_from_args(args))
     except ValueError as exc:
@@ -2353,18 +2910,41 @@ def main(argv: list[str] | None = None) -> int:
         sizes = residency(cfg, args.tp, args.quant, args.max_total, contract=args.contract,
                           buckets=tuple(args.prefill_buckets), attn_quant=args.attn_quant, kv_slots=args.kv_slots,
                           decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant)
+        if args.vision:
+            raw = json.loads(args.config.read_text())
+            vcfg = vision_config_from_dict(raw)
+            if vcfg is None:
+                from transformers import Gemma4VisionConfig
+
+                vcfg = Gemma4VisionConfig(**VISION_26B)
+            sizes.update(vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets, vision_tp=args.vision_tp))
+            sizes["total"] += sizes["vision"]
         extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots, kv-quant={args.kv_quant}"
                                                      if args.contract == "v3" else "")
         print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract, extra)
         return 0
     if args.slot_table:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
-        print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant),
-                         args.json)
+        vision = None
+        if args.vision:
+            vcfg = vision_config_from_dict(json.loads(args.config.read_text()))
+            if vcfg is None:
+                from transformers import Gemma4VisionConfig
+
+                vcfg = Gemma4VisionConfig(**VISION_26B)
+            vision = vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets, vision_tp=args.vision_tp)
+        print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant,
+                                    vision=vision), args.json)
         return 0
     if args.check_lowering:
         cfg = text_config_from_dict(json.loads(args.config.read_text()))
-        report = check_lowering(cfg, plan_from_args(args, dtype=DTYPES[args.dtype or "float32"]))
+        vcfg = None
+        if args.vision:
+            vcfg = vision_config_from_dict(json.loads(args.config.read_text()))
+            if vcfg is None:
+                raise SystemExit("--check-lowering --vision: the config has no vision_config")
+        report = check_lowering(cfg, plan_from_args(args, dtype=DTYPES[args.dtype or "float32"]), vcfg,
+                                args.vision_budgets)
         print_lowering(report, args.json)
         return 0 if report["pass"] else 1
     if args.roofline:
@@ -2392,6 +2972,13 @@ def main(argv: list[str] | None = None) -> int:
     write_host_artifacts(args.checkpoint, reader, args.out)
     build = build_cpu if args.target == "cpu" else build_neuron
     record = build(args, cfg, reader, args.out)
+    if args.vision:
+        raw = json.loads((args.checkpoint / "config.json").read_text())
+        if args.target == "cpu":
+            record["vision"] = build_vision_cpu(args, raw, cfg, reader, args.out)
+        else:
+            record["vision"] = build_vision_neuron(args, raw, cfg, args.out, reader)
+        (args.out / "graph.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record))
     return 0
 
