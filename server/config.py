@@ -111,6 +111,10 @@ class Settings:
     max_n: int = _setting("--max-n", "MAX_N", _positive_int, 8,
                           "most choices one request may ask for: n, times the prompts of a /v1/completions list "
                           "(400 beyond; they are admitted together, so --max-queue bounds them too)")
+    max_prompt_logprobs: int | None = _setting("--max-prompt-logprobs", "MAX_PROMPT_LOGPROBS", _positive_int, None,
+                                               "/v1/completions with echo and logprobs: the longest prompt whose token "
+                                               "logprobs are computed (400 beyond; its whole prompt is prefilled and "
+                                               "scored, no cached prefix reused)", shown="the context")
     responses_store_max: int = _setting("--responses-store-max", "RESPONSES_STORE_MAX", _non_negative_int, 1000,
                                         "/v1/responses: most stored responses (for previous_response_id and GET); the "
                                         "oldest is evicted first; 0: none kept")

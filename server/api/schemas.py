@@ -236,7 +236,9 @@ class CompletionRequest(SamplingFields):
     # One prompt (a string or a list of token ids) or a list of them, normalised to a list: every prompt gets n choices.
     prompt: list[str | list[int]]
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token
+    logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token (the prompt's with echo)
+    # 0 only with echo (vLLM's): the prompt alone, scored with logprobs (what evaluation harnesses ask for).
+    max_tokens: int | None = Field(None, ge=0)
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")

@@ -294,3 +294,32 @@ def raw_logprobs(x: torch.Tensor, ids: torch.Tensor, softcap: float | None, scra
         peak = float(_tensor_scale(top, softcap, 1.0))  # the soft-cap is monotonic: the max of cap(x) is cap(max x)
         log_total = peak + math.log(_sum_exp(x, softcap, 1.0, peak, buf))
     return _tensor_scale(x.index_select(0, ids), softcap, 1.0).sub_(log_total)  # (n,)
+
+
+# Rows of prompt logits capped and normalised at once: [32, V] f32 is 33 MB at V = 262144, where a whole 512-token
+# prompt's would be 0.5 GB more of host memory beside the graph's own output.
+_PROMPT_ROWS = 32
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int, softcap: float | None
+                    ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each row's log_softmax(cap(row)) at its target token, and at its `top` best tokens (best first): what the
+    prompt's token logprobs are (vLLM's `prompt_logprobs`: raw, as the sampler's logprobs are, with no bias, penalty
+    or temperature, since no sampling happened there). logits: [T, V] f32, not modified; targets: T ids.
+
+    The target's value and a top token's are the same float operations on the same row, so a target that is the
+    row's best has exactly the best value (an evaluation harness's "is greedy" compares them for equality)."""
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    wanted = torch.tensor(targets, dtype=torch.long)  # [T]
+    for start in range(0, len(targets), _PROMPT_ROWS):
+        rows = logits[start : start + _PROMPT_ROWS]  # [R, V]
+        x = rows if softcap is None else torch.div(rows, softcap).tanh_().mul_(softcap)  # [R, V] a copy when capped
+        norm = torch.logsumexp(x, dim=1, keepdim=True)  # [R, 1]
+        chosen = (x.gather(1, wanted[start : start + rows.shape[0], None]) - norm)[:, 0].tolist()  # [R]
+        if top:
+            values, ids = torch.topk(x, min(top, x.shape[1]), dim=1)  # [R, k] each, best first
+            best = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), (values - norm).tolist(), strict=True)]
+        else:
+            best = [[] for _ in chosen]
+        out.extend(zip(chosen, best, strict=True))
+    return out
