@@ -263,6 +263,13 @@ class CompletionRequest(SamplingFields):
             raise ValueError("only best_of=1 is supported")
         return value
 
+    @model_validator(mode="after")
+    def _prompt_alone_is_echoed(self) -> CompletionRequest:
+        if self.token_limit == 0 and not self.echo:
+            raise PydanticCustomError("max_tokens", "max_tokens: 0 asks for the prompt alone, which needs echo=true",
+                                      {"loc": "max_tokens"})
+        return self
+
 
 class GenerateRequest(RequestBody):
     """The seed server's route: chat-templated, greedy."""

@@ -192,9 +192,6 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._body(request))
         model = self.prompts.check_model(body.model)
-        if body.max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens: 0 asks for the prompt alone, which needs echo=true", param="max_tokens",
-                           code="invalid_value")
         scored = bool(body.echo) and body.logprobs is not None  # the prompt's own token logprobs
         n = body.n or 1
         self.check_choices(n * len(body.prompt), "n" if len(body.prompt) == 1 else "prompt")
