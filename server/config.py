@@ -134,6 +134,10 @@ class Settings:
                                      "follows (counted within max_tokens); a request's reasoning_budget or "
                                      "reasoning_effort overrides it; -1: unlimited, 0: the thought closes at once",
                                      shown="-1 (unlimited)")
+    max_prompt_logprobs: int | None = _setting("--max-prompt-logprobs", "MAX_PROMPT_LOGPROBS", _positive_int, None,
+                                               "/v1/completions with echo and logprobs: the longest prompt whose token "
+                                               "logprobs are computed (400 beyond; its whole prompt is prefilled and "
+                                               "scored, no cached prefix reused)", shown="the context")
     responses_store_max: int = _setting("--responses-store-max", "RESPONSES_STORE_MAX", _non_negative_int, 1000,
                                         "/v1/responses: most stored responses (for previous_response_id and GET); the "
                                         "oldest is evicted first; 0: none kept")

@@ -155,7 +155,7 @@ ROWS = [
     Row("prompt-id-outside-vocab", COMPLETIONS, {"prompt": [2, 262144]}, param="prompt"),
     Row("prompt-id-negative", COMPLETIONS, {"prompt": [-1]}, param="prompt"),
     Row("prompt-id-2^70", COMPLETIONS, {"prompt": [2**70]}, param="prompt"),
-    Row("echo-and-logprobs", COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, param="echo"),
+    Row("max_tokens-0-without-echo", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, param="max_tokens"),
     # --- routes and methods
     Row("unknown-route", "/nope", None, 404, code="not_found", method="GET", check_param=False),
     Row("embeddings-route", "/v1/embeddings", {"input": "x"}, 404, code="not_found", check_param=False),

@@ -153,7 +153,9 @@ def check_parsed(parsed: Any) -> None:
     if isinstance(parsed, ChatCompletionRequest | CompletionRequest):
         assert all(0 <= int(key) < 10**18 for key in parsed.logit_bias or {})
         assert len(parsed.stop) <= MAX_STOPS and all(parsed.stop)
-        assert parsed.token_limit is None or parsed.token_limit >= 1
+        # 0 only on completions with echo (the prompt alone, vLLM's)
+        assert parsed.token_limit is None or parsed.token_limit >= 1 or (isinstance(parsed, CompletionRequest)
+                                                                          and parsed.echo)
         json.dumps(parsed.model_dump(), allow_nan=False)  # nothing non-finite got through
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.sampling.params import SamplingParams
-from server.sampling.primitives import argmax, candidates, topk
+from server.sampling.primitives import argmax, candidates, prompt_logprobs, topk
 from server.sampling.sampler import Sampler
 from server.tools.bench.host import full_sort_top_p
 from tests.support.sampling_reference import candidate_distribution, reference_probs
@@ -373,3 +373,27 @@ def test_no_logprobs_unless_asked() -> None:
     assert result.logprob is None and result.top_logprobs == ()
     chosen_only = Sampler(SamplingParams(logprobs=True), 10, [], CAP).sample(torch.zeros(10))
     assert chosen_only.logprob == pytest.approx(-math.log(10)) and chosen_only.top_logprobs == ()
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("rows", [1, 32, 70])  # one block of rows, exactly one, several with a short last one
+def test_prompt_logprobs_are_log_softmax_of_the_capped_rows(rows: int, softcap: float | None) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 1000, generator=generator) * 20  # [T, V]: large enough for the cap to matter
+    targets = torch.randint(0, 1000, (rows,), generator=generator).tolist()
+    before = logits.clone()
+    got = prompt_logprobs(logits, targets, 3, softcap)
+    assert torch.equal(logits, before), "the caller's logits are not modified"
+    capped = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    want = torch.log_softmax(capped.double(), dim=-1)  # [T, V]
+    assert len(got) == rows
+    for row, (target, (logprob, best)) in enumerate(zip(targets, got, strict=True)):
+        assert logprob == pytest.approx(float(want[row, target]), abs=1e-4)
+        values, ids = torch.topk(want[row], 3)
+        assert [t for t, _ in best] == ids.tolist()
+        assert [v for _, v in best] == pytest.approx(values.tolist(), abs=1e-4)
+    # A target that is its row's best has exactly the best value (what "is greedy" compares).
+    argmaxes = logits.argmax(1).tolist()
+    for logprob, best in prompt_logprobs(logits, argmaxes, 1, softcap):
+        assert logprob == best[0][1]
+    assert all(best == [] for _, best in prompt_logprobs(logits, targets, 0, softcap))

@@ -217,7 +217,10 @@ OPERATIONS: Mapping[tuple[str, str], Operation] = {
             "json": {"messages": _HI, "max_tokens": 8, "response_format": {"type": "json_object"}}}),
     ("/v1/completions", "POST"): Operation(
         "Legacy completion", CompletionRequest, Completion, stream=True, errors=_GENERATION_ERRORS, examples={
-            "answer": {"prompt": "Hi", "max_tokens": 8}, "stream": {"prompt": "Hi", "max_tokens": 8, "stream": True}}),
+            "answer": {"prompt": "Hi", "max_tokens": 8}, "stream": {"prompt": "Hi", "max_tokens": 8, "stream": True},
+            # lm-evaluation-harness's loglikelihood request: the prompt's token logprobs (echo + logprobs)
+            "prompt logprobs": {"prompt": [[2, 651, 1000, 2000]], "max_tokens": 1, "logprobs": 1, "echo": True,
+                                "temperature": 0, "seed": 1234}}),
     ("/v1/responses", "POST"): Operation(
         "Create a response (OpenAI's Responses API)", ResponsesRequest, ResponseObject, stream=True,
         errors=_GENERATION_ERRORS, examples={

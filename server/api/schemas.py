@@ -243,7 +243,9 @@ class CompletionRequest(SamplingFields):
     # One prompt (a string or a list of token ids) or a list of them, normalised to a list: every prompt gets n choices.
     prompt: list[str | list[int]]
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token
+    logprobs: int | None = Field(None, ge=0, le=5)  # legacy: how many alternatives per token (the prompt's with echo)
+    # 0 only with echo (vLLM's): the prompt alone, scored with logprobs (what evaluation harnesses ask for).
+    max_tokens: int | None = Field(None, ge=0)
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
@@ -267,6 +269,13 @@ class CompletionRequest(SamplingFields):
         if value is not None and value != 1:
             raise ValueError("only best_of=1 is supported")
         return value
+
+    @model_validator(mode="after")
+    def _prompt_alone_is_echoed(self) -> CompletionRequest:
+        if self.token_limit == 0 and not self.echo:
+            raise PydanticCustomError("max_tokens", "max_tokens: 0 asks for the prompt alone, which needs echo=true",
+                                      {"loc": "max_tokens"})
+        return self
 
 
 class GenerateRequest(RequestBody):

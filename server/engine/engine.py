@@ -13,6 +13,9 @@ watchdog, and how a request ends; which step runs next is the scheduler's (serve
   requests and the next ones run. One that stalls past `step_timeout_s` is abandoned by the watchdog: its requests
   get an error at once, and the engine reports `error` until the call returns (Python cannot interrupt it).
 - The request stays a value: each run's Sequence and constraint matcher are built here (`_sequence`, `_constraint_for`).
+- Prompt logprobs (a request's `prompt_logprobs`) come from each prefill chunk's logits at every position, soft-capped
+  as the sampler's (`_score_prompt`), published as one `PromptLogprobs` event after the last chunk; such a prompt is
+  prefilled whole (the scheduler reuses no cached prefix for it). Decode steps are untouched: only prefill scores.
 """
 
 from __future__ import annotations
@@ -34,11 +37,22 @@ from server.engine.kv import KVSlots
 from server.engine.runner import Abandoned, DeviceWatch, Runner, slot_graph
 from server.engine.scheduler import DecodeStep, Scheduler, Step
 from server.engine.sequence import Sequence, finish_event
-from server.engine.types import Delta, EngineNotReady, Event, Finish, GenerationRequest, QueueFull, RequestHandle
+from server.engine.types import (
+    Delta,
+    EngineNotReady,
+    Event,
+    Finish,
+    GenerationRequest,
+    PromptLogprobs,
+    QueueFull,
+    RequestHandle,
+    TokenLogprob,
+)
 from server.graphs.base import Graph
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
 from server.sampling.params import TokenConstraint
+from server.sampling.primitives import prompt_logprobs
 from server.sampling.sampler import Sampler, sample_rows
 
 if TYPE_CHECKING:
@@ -354,6 +368,10 @@ class Engine:
             log.exception("request %s could not start", handle.request.request_id)
             self._retire(handle, self._finish(handle, "error", error=f"{type(exc).__name__}: {exc}"))
             return
+        if seq.budget == 0 and seq.prompt_logprobs is None:  # the prompt alone (echo, max_tokens 0): nothing to compute
+            seq.reason = "length"
+            self._end(seq)
+            return
         kept = self._scheduler.add(seq)
         if kept is not None:  # the same prompt as this slot's last one, all of it still in the cache: no prefill at all
             self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
@@ -403,13 +421,24 @@ class Engine:
                 logits = self._runner.decode(rows, on_submit=lambda: [seq.publish_pending() for seq in rows])  # [B, V]
             else:
                 seq = step.seq
-                logits = self._runner.prefill(seq, step.begin, step.end, last=step.last)
+                scored = seq.prompt_logprobs is not None
+                # [1, T, V]; [1, 1, V] of the last position for the prompt's last chunk, unless the prompt is scored
+                logits = self._runner.prefill(seq, step.begin, step.end, last=step.last and not scored)
                 seq.prefill_calls += 1
+                if scored:
+                    self._score_prompt(seq, step.begin, step.end, logits)
                 if not step.last:
                     return
+                logits = logits[:, -1:]  # [1, 1, V]
                 assert seq.kv is not None
-                seq.kv.keep(seq.handle.request.prompt_ids, logits)  # [1, 1, V]
+                seq.kv.keep(seq.handle.request.prompt_ids, logits)
                 logits = logits.reshape(1, -1)  # [1, V]
+                if seq.prompt_logprobs is not None:
+                    seq.handle.publish(PromptLogprobs(seq.token_ids[0], tuple(seq.prompt_logprobs)))
+                if seq.budget == 0:  # the prompt was all it asked for (max_tokens 0): no token is sampled
+                    seq.reason = "length"
+                    self._end(seq)
+                    return
         except Abandoned:  # the watchdog already ended these requests
             self._fail(rows, None)
             return
@@ -418,6 +447,21 @@ class Engine:
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
         self._postprocess(rows, logits)
+
+    def _score_prompt(self, seq: Sequence, begin: int, end: int, logits: torch.Tensor) -> None:
+        """The logprobs of prompt tokens begin+1..end (those the chunk's positions predict; the prompt's last position
+        predicts the first generated token instead) from the chunk's logits [1, T, V], soft-capped as the sampler's."""
+        assert seq.prompt_logprobs is not None and self.graph is not None
+        if logits.shape[1] != end - begin:  # a graph that hands back fewer positions than it was given
+            raise RuntimeError(f"the {self.graph.name} graph returned logits for {logits.shape[1]} of {end - begin} "
+                               "positions: prompt logprobs need every position's")
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        targets = prompt[begin + 1 : end + 1]  # position p predicts token p + 1
+        top = seq.handle.request.prompt_logprobs or 0
+        rows = logits[0, : len(targets)]  # [T', V]
+        for token, (logprob, best) in zip(targets, prompt_logprobs(rows, targets, top, self.graph.host_softcap),
+                                          strict=True):
+            seq.prompt_logprobs.append(TokenLogprob(token, logprob, tuple(best)))
 
     def _fail(self, rows: collections.abc.Sequence[Sequence], error: str | None) -> None:
         """A step failed: its requests end with `error` (None: already ended by the watchdog), their slots reset (the

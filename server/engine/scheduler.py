@@ -79,8 +79,10 @@ class Scheduler:
         Returns the kept logits [1, 1, V] when the whole prompt is cached with them (it decodes at once)."""
         assert self.has_room, "admitted beyond the free slots"
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        kv = self.slots.choose(prompt, self.prefix_reuse)
-        start, kept = kv.reuse(prompt, self.prefix_reuse)
+        # A request for the prompt's logprobs prefills all of it: the cache keeps KV, not the logits they come from.
+        reuse = self.prefix_reuse and seq.prompt_logprobs is None
+        kv = self.slots.choose(prompt, reuse)
+        start, kept = kv.reuse(prompt, reuse)
         seq.kv, seq.reused_tokens = kv, start
         seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets))
         self.running.append(seq)

@@ -42,7 +42,7 @@ class Sequence:
 
     __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampler", "constraint", "budget", "deadline",
                  "generated", "ttft_s", "reused_tokens", "prefill_calls", "graph_calls", "device_s", "pending", "reason",
-                 "error", "grammar_done", "kv", "chunks", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+                 "error", "grammar_done", "kv", "chunks", "prompt_logprobs", "_detok", "_stops", "_eos_ids", "_ignore_eos")
 
     def __init__(self, handle: RequestHandle, sampler: Sampler, detok: IncrementalDetokenizer, stops: StopMatcher, *,
                  constraint: TokenConstraint | None, eos_ids: frozenset[int], budget: int, deadline: float) -> None:
@@ -66,6 +66,8 @@ class Sequence:
         self.reason: str | None = None  # set once the sequence ends: stop | length | timeout | cancelled | error
         self.error: str | None = None
         self.grammar_done = False  # ended by a finished constraint: what the detokenizer holds is still to be released
+        # The logprobs of the prompt's 2nd..last tokens, chunk by chunk while it prefills (None: not asked for).
+        self.prompt_logprobs: list[TokenLogprob] | None = None if request.prompt_logprobs is None else []
         self._detok = detok
         self._stops = stops
         self._eos_ids = eos_ids

@@ -38,6 +38,10 @@ class GenerationRequest:
     # A cap on the thought channel's tokens (None = none): the closing marker is forced there. Applied around
     # `constraint` by each run's matcher (Engine._constraint_for); it needs no grammar vocabulary.
     thought_budget: ThoughtBudget | None = None
+    # The prompt's own token logprobs (vLLM's `prompt_logprobs`): None = off; k = each prompt token's logprob and its
+    # k best alternatives, from the prefill's logits at every prompt position. Such a request prefills its whole
+    # prompt (a cached prefix has no logits to give); max_new_tokens may then be 0 (the prompt alone is scored).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,15 @@ class Delta:
     logprob: TokenLogprob | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's token logprobs (a request's `prompt_logprobs`), once its prefill ended, before its first Delta:
+    the first token (which nothing predicts: it has none), then each later token's, in order."""
+
+    first_token: int
+    entries: tuple[TokenLogprob, ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finish:
     reason: str  # "stop" | "length" | "cancelled" | "error"
@@ -72,7 +85,7 @@ class Finish:
     timed_out: bool = False
 
 
-Event = Delta | Finish
+Event = Delta | PromptLogprobs | Finish
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +96,7 @@ class Completion:
     token_ids: list[int]
     finish: Finish
     deltas: list[Delta] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
 
 class EngineError(Exception):
@@ -142,9 +156,13 @@ class RequestHandle:
 async def collect(events: AsyncIterator[Event]) -> Completion:
     """An event stream gathered into one Completion."""
     deltas: list[Delta] = []
+    prompt: PromptLogprobs | None = None
     async for event in events:
         if isinstance(event, Finish):
             ids = [d.token_id for d in deltas if d.token_id is not None]
-            return Completion("".join(d.text for d in deltas), ids, event, deltas)
-        deltas.append(event)
+            return Completion("".join(d.text for d in deltas), ids, event, deltas, prompt)
+        if isinstance(event, PromptLogprobs):
+            prompt = event
+        else:
+            deltas.append(event)
     raise AssertionError("the event stream ended without a Finish")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.chat.prompts import Prompts
-from server.engine.types import Delta, Finish, TokenLogprob
+from server.engine.types import Completion, Delta, Finish, PromptLogprobs, TokenLogprob
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta, collect
 
 _LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf
@@ -106,7 +106,11 @@ class ChatFormat(_Format):
         chunks = [self._chunk(fields, None, None)] if fields else []
         return [*chunks, self._chunk({}, None, _reason(reason, end.called_tools))]
 
-    def choice(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
+    def prompt(self, prompt: PromptLogprobs) -> dict[str, Any] | None:
+        return None  # chat scores no prompt
+
+    def choice(self, done: Completion) -> dict[str, Any]:
+        text, deltas, finish = done.text, done.deltas, done.finish
         parsed = collect(self.parser, text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning:
@@ -129,42 +133,65 @@ def _tool_call(call: ToolCallDelta, index: bool = False) -> dict[str, Any]:
 
 
 class CompletionFormat(_Format):
+    """Legacy completions. With `echo` the prompt's text comes first; with `scored` (echo and logprobs) its tokens'
+    logprobs come first in `logprobs` too, the first token's null (nothing predicts it), as OpenAI and vLLM give them:
+    in a stream, one chunk of the prompt's text and logprobs once its prefill ended, then the completion's."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool, echo: str = "") -> None:
+    def __init__(self, prompts: Prompts, envelope: Envelope, index: int, logprobs: bool, echo: str = "",
+                 scored: bool = False) -> None:
         super().__init__(prompts, envelope, index, logprobs)
         self.echo = echo
+        self.scored = scored
+        self._echo_pending = scored  # the echo chunk waits for the prompt's logprobs (then goes out with them)
         self.offset = len(echo)  # text_offset of the next token
 
+    def _entries(self, entries: Sequence[TokenLogprob | int], offset: int) -> tuple[dict[str, Any], int]:
+        """OpenAI's legacy shape from `offset` on (and where the next token starts); the chosen token is always among
+        top_logprobs (as vLLM does); a bare token id (the prompt's first) has null logprob and alternatives."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for lp in entries:
+            if isinstance(lp, int):
+                tokens.append(self.prompts.token_info(lp)[0])
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                text = self.prompts.token_info(lp.token_id)[0]
+                tokens.append(text)
+                token_logprobs.append(_lp(lp.logprob))
+                top = {self.prompts.token_info(t)[0]: _lp(v) for t, v in lp.top}
+                top.setdefault(text, _lp(lp.logprob))
+                tops.append(top)
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}, offset
+
     def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
-        """OpenAI's legacy shape; the chosen token is always among top_logprobs (as vLLM does)."""
         if not self.logprobs:
             return None
-        tokens: list[str] = []
-        token_logprobs: list[float] = []
-        tops: list[dict[str, float]] = []
-        offsets: list[int] = []
-        for d in deltas:
-            lp: TokenLogprob | None = d.logprob
-            if lp is None:
-                continue
-            text = self.prompts.token_info(lp.token_id)[0]
-            tokens.append(text)
-            token_logprobs.append(_lp(lp.logprob))
-            top = {self.prompts.token_info(t)[0]: _lp(v) for t, v in lp.top}
-            top.setdefault(text, _lp(lp.logprob))
-            tops.append(top)
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        shown, self.offset = self._entries([d.logprob for d in deltas if d.logprob is not None], self.offset)
+        return shown
+
+    def _prompt_logprobs(self, prompt: PromptLogprobs | None) -> dict[str, Any]:
+        """The prompt's part of `logprobs` (text_offset from 0, within the echoed prompt)."""
+        return self._entries([prompt.first_token, *prompt.entries] if prompt is not None else [], 0)[0]
 
     def _chunk(self, text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
         return self.envelope.wrap(self.chunk_object_name,
                                   [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}])
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk(self.echo, None, None)] if self.echo else []
+        return [self._chunk(self.echo, None, None)] if self.echo and not self.scored else []
+
+    def prompt(self, prompt: PromptLogprobs) -> dict[str, Any] | None:
+        """The echo chunk, with the prompt's logprobs."""
+        self._echo_pending = False
+        return self._chunk(self.echo, self._prompt_logprobs(prompt), None)
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         if delta.text or (self.logprobs and delta.logprob is not None):
@@ -172,11 +199,18 @@ class CompletionFormat(_Format):
         return None
 
     def final_chunks(self, reason: str) -> list[dict[str, Any]]:
-        return [self._chunk("", None, reason)]
+        # A request that ended before its prompt was scored (an error, a cancellation) still echoes its prompt.
+        echo = [self._chunk(self.echo, None, None)] if self._echo_pending and self.echo else []
+        self._echo_pending = False
+        return [*echo, self._chunk("", None, reason)]
 
-    def choice(self, text: str, deltas: Sequence[Delta], finish: Finish) -> dict[str, Any]:
-        return {"index": self.index, "text": self.echo + text, "logprobs": self._logprobs(deltas),
-                "finish_reason": finish.reason}
+    def choice(self, done: Completion) -> dict[str, Any]:
+        logprobs = self._logprobs(done.deltas)
+        if self.scored and logprobs is not None:
+            prompt = self._prompt_logprobs(done.prompt_logprobs)
+            logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
+        return {"index": self.index, "text": self.echo + done.text, "logprobs": logprobs,
+                "finish_reason": done.finish.reason}
 
 
 Format = ChatFormat | CompletionFormat

@@ -11,7 +11,11 @@ Deliberate choices:
 - `max_tokens` beyond what the context leaves is capped, not rejected (finish_reason says "length"): with a
   512-token graph, clients that send max_tokens=1024 should still get an answer.
 - Unset sampling fields take the model's generation_config.json defaults, then OpenAI's.
-- Completions logprobs with `echo` are rejected: the engine computes no prompt logprobs.
+- Completions with `echo` and `logprobs` score the prompt: its tokens' logprobs (the first null) come before the
+  completion's, as OpenAI's legacy API and vLLM give them, for evaluation harnesses (lm-evaluation-harness's
+  `local-completions`: token-id prompts, `max_tokens` 1, `logprobs` 1, `echo`). Such a prompt is prefilled whole (no
+  cached prefix: the cache keeps no logits) and bounded by --max-prompt-logprobs; `max_tokens` 0 (with echo) asks for
+  the prompt alone, as vLLM takes it.
 - `n > 1` and a list of prompts: the choices are admitted together (all or none) and run one after another on the
   batch-1 device; the 2nd..nth choice of a prompt finds it in the cache and runs no prefill. A stream sends each
   choice's chunks in turn, every chunk naming its `index`. `best_of` is refused: it would generate choices nobody
@@ -46,7 +50,7 @@ from server.api.service import ClientGone, Service
 from server.api.sse import DONE, GenerationStream, frame
 from server.constraints.constraint import ConstraintSpec
 from server.constraints.thought import ThoughtBudget
-from server.engine.types import Delta, Finish, GenerationRequest, RequestHandle, SamplingParams
+from server.engine.types import Delta, Finish, GenerationRequest, PromptLogprobs, RequestHandle, SamplingParams
 from server.errors import APIError
 from server.protocol import PromptInputs
 from server.protocol.base import UNLIMITED, reasoning_budget
@@ -127,7 +131,7 @@ class OpenAIRoutes:
             done = await self.service.collect(request, handles)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        choices = [fmt.choice(c.text, c.deltas, c.finish) for fmt, c in zip(fmts, done, strict=True)]
+        choices = [fmt.choice(c) for fmt, c in zip(fmts, done, strict=True)]
         return JSONResponse(fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n)))
 
     async def _stream(self, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
@@ -141,8 +145,8 @@ class OpenAIRoutes:
             finishes: list[Finish] = []
             for handle, fmt in zip(handles, fmts, strict=True):
                 async for event in self.service.events(handle):
-                    if isinstance(event, Delta):
-                        chunk = fmt.chunk(event)
+                    if isinstance(event, Delta | PromptLogprobs):
+                        chunk = fmt.chunk(event) if isinstance(event, Delta) else fmt.prompt(event)
                         if chunk is not None:
                             yield frame(chunk)
                         continue
@@ -200,9 +204,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._body(request))
         model = self.prompts.check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo: prompt logprobs are not supported; use echo or logprobs, not both",
-                           param="echo", code="invalid_value")
+        scored = bool(body.echo) and body.logprobs is not None  # the prompt's own token logprobs
         n = body.n or 1
         self.check_choices(n * len(body.prompt), "n" if len(body.prompt) == 1 else "prompt")
         sampling = self._sampling(body, body.logprobs)
@@ -216,12 +218,23 @@ class OpenAIRoutes:
                 self.prompts.check_token_ids(prompt, "prompt" if len(body.prompt) == 1 else f"prompt[{index}]")
                 prompts.append(list(prompt))
                 echoes.append(await self.prompts.decode(prompt) if body.echo else "")
+            if scored:
+                self.check_prompt_logprobs(len(prompts[-1]), "prompt" if len(body.prompt) == 1 else f"prompt[{index}]")
         envelope = Envelope(f"cmpl-{request.state.completion_id}", model)
         handles = self.submit(prompts, body.token_limit, "prompt", n, sampling=sampling, stop=body.stop,
-                              request_id=envelope.id, **self._eos_fields(body))
+                              request_id=envelope.id, prompt_logprobs=body.logprobs if scored else None,
+                              **self._eos_fields(body))
         fmts = [CompletionFormat(self.prompts, envelope, i, body.logprobs is not None,
-                                 echo=echoes[i // n] if body.echo else "") for i in range(len(handles))]
+                                 echo=echoes[i // n] if body.echo else "", scored=scored) for i in range(len(handles))]
         return await self._respond(request, handles, fmts, n, bool(body.stream), body.include_usage)
+
+    def check_prompt_logprobs(self, prompt_tokens: int, param: str) -> None:
+        """A scored prompt (echo with logprobs) is bounded by --max-prompt-logprobs (default: the context)."""
+        limit = self.settings.max_prompt_logprobs or self.prompts.model.max_total
+        if prompt_tokens > limit:
+            raise APIError(400, f"{param}: prompt logprobs (echo with logprobs) are computed for prompts of at most "
+                           f"{limit} tokens on this server (--max-prompt-logprobs); this one has {prompt_tokens}",
+                           param=param, code="invalid_value")
 
     # ------------------------------------------------------------------ POST /generate (the seed server's)
 
