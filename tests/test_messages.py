@@ -193,7 +193,7 @@ def test_a_tool_round_trip(client: anthropic.Anthropic, server: LiveServer, prom
                                      {"type": "text", "text": "Try again?"}]}])
     rendered = server.host.tokenizer.decode(list(prompts.last))
     assert '<|tool_response>response:get_weather{error:<|"|>no network<|"|>}<tool_response|>' in rendered
-    assert rendered.rstrip().endswith("Try again?<turn|>\n<|turn>model")
+    assert "<tool_response|><turn|>\n<|turn>user\nTry again?<turn|>\n<|turn>model\n" in rendered  # the result first
 
 
 @pytest.mark.parametrize("seed", range(3))
