@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from server.api.messages.schemas import MessagesRequest
 from server.api.messages.translate import chat_request
 from server.app.runtime import Host, build_engine, graph_loader
 from server.errors import AnthropicError
+from server.graphs.base import Graph
 from tests.support.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
 from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, gemma4_host
 from tests.test_responses import PERSON, THOUGHT, Prompts, TurnScriptedGraph, chat_prompt
@@ -354,6 +356,28 @@ def test_a_full_queue_is_a_rate_limit_error_and_a_device_error_an_error_event() 
         error = json.loads(blocks[-1][1].removeprefix("data: "))
         assert error["type"] == "error" and error["error"]["type"] == "api_error"
         assert "simulated device fault" in error["error"]["message"]
+
+
+def test_a_loading_server_is_overloaded_with_retry_after_and_counts_tokens_already() -> None:
+    release = threading.Event()
+
+    def load() -> Graph:
+        assert release.wait(60), "the test never released the load"
+        return graph_loader(null_host())()
+
+    config = settings()
+    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start(wait_ready=False)
+    try:
+        client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(anthropic.ServiceUnavailableError) as caught:
+            client.messages.create(model="gemma-test", max_tokens=5, messages=HI)
+        assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+        assert caught.value.response.headers["retry-after"]
+        assert client.messages.count_tokens(model="gemma-test", messages=HI).input_tokens > 0  # type: ignore[arg-type]
+    finally:
+        release.set()
+        live.wait_state("ok")
+        live.stop()
 
 
 # ------------------------------------------------------------------ the mapping onto the chat fields
