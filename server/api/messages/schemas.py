@@ -157,7 +157,7 @@ class OutputConfig(BodyPart):
     format: OutputFormat | None = None
 
 
-class _Prompt(RequestBody):
+class PromptBody(RequestBody):
     """What both routes render: the model, the conversation, the tools and the thinking switch."""
 
     refused_hints = REFUSED
@@ -201,7 +201,7 @@ class _Prompt(RequestBody):
         return value
 
 
-class MessagesRequest(_Prompt):
+class MessagesRequest(PromptBody):
     max_tokens: int = Field(ge=1)  # required, as Anthropic requires it
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
@@ -214,5 +214,5 @@ class MessagesRequest(_Prompt):
     diagnostics: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Prompt):
+class CountTokensRequest(PromptBody):
     """`/v1/messages/count_tokens`: the prompt's parts only (Anthropic's own body has no max_tokens)."""

@@ -19,9 +19,9 @@ from typing import Any
 
 from server.api.http import parse
 from server.api.messages.schemas import (
-    CountTokensRequest,
     InputMessage,
     MessagesRequest,
+    PromptBody,
     TextBlock,
     ThinkingBlock,
     ToolResultBlock,
@@ -62,7 +62,7 @@ def chat_messages(system: Sequence[TextBlock] | None, messages: Sequence[InputMe
     return chat
 
 
-def _thinking_fields(body: CountTokensRequest) -> dict[str, Any]:
+def _thinking_fields(body: PromptBody) -> dict[str, Any]:
     thinking, effort = body.thinking, body.output_config.effort if body.output_config else None
     fields: dict[str, Any] = {}
     if thinking is not None:
@@ -77,7 +77,7 @@ def _thinking_fields(body: CountTokensRequest) -> dict[str, Any]:
     return fields
 
 
-def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+def chat_request(body: PromptBody) -> ChatCompletionRequest:
     """`body` (a MessagesRequest, or a count_tokens body: the same prompt, nothing to sample) as a chat request."""
     choice = body.tool_choice
     fields: dict[str, Any] = {
