@@ -1,8 +1,10 @@
-"""The server's exceptions, and how `APIError` maps to OpenAI's error JSON.
+"""The server's exceptions, and how `APIError` maps to OpenAI's error JSON (and `AnthropicError` to Anthropic's).
 
 Everything a client can cause raises `APIError` (or `InvalidRequest` below the API, which maps it to a 400); one
 handler in `api/` turns it into `{"error": {"message", "type", "param", "code"}}` with the right status. Internal
-invariants use `assert`.
+invariants use `assert`. One exception type per wire protocol: the routes of Anthropic's Messages API answer every
+error (theirs, or one raised by the shared code they call: auth, body limits, the queue, the model name) as
+`AnthropicError`, which the same handler picks by route (`AnthropicError.of`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ class APIError(Exception):
 
     def to_json(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# Anthropic's error types by status (its "Errors" page); any other 4xx is invalid_request_error, 5xx api_error. A server
+# that is loading or draining (503) is "overloaded" in Anthropic's words (its own status for that is 529).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+                    403: "permission_error", 404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+class AnthropicError(APIError):
+    """An error in Anthropic's shape: `{"type": "error", "error": {"type", "message"}, "request_id"}`, the status kept.
+    The message names the field (Anthropic's error has no `param`); `param` and `code` stay for the logs."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002
+        super().__init__(status, message, param=param, code=code, headers=headers,
+                         type=type or _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                                           else "invalid_request_error"))
+        self.request_id: str | None = None
+
+    @classmethod
+    def of(cls, exc: APIError, request_id: str | None = None) -> AnthropicError:
+        """`exc` in Anthropic's terms (its type from the status: OpenAI's names differ)."""
+        made = exc if isinstance(exc, AnthropicError) else cls(exc.status, exc.message, param=exc.param, code=exc.code,
+                                                              headers=exc.headers)
+        made.request_id = request_id
+        return made
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": "error", "error": {"type": self.type, "message": self.message}}
+        if self.request_id is not None:
+            body["request_id"] = self.request_id
+        return body
 
 
 class InvalidRequest(ValueError):

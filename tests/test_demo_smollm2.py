@@ -216,6 +216,18 @@ def test_the_readmes_examples_answer_sensibly_on_the_default_demo(demo: DemoProc
     assert README_EXAMPLES[phrase] in done.stdout.lower(), done.stdout
 
 
+def test_the_messages_api_example_answers_sensibly_on_the_default_demo(demo: DemoProcess) -> None:
+    """docs/api.md's `anthropic` SDK example (the README's Messages API example), run as written."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(encoding="utf-8"), re.DOTALL)
+    (code,) = [block for block in blocks if "client.messages.create" in block]
+    done = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8080", demo.url)], capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert "paris" in first.lower() and "end_turn" in first, done.stdout  # stopped at <|im_end|>, not max_tokens
+    assert "cache_read_input_tokens" in done.stdout, done.stdout
+
+
 def test_models_says_which_model_runs_and_that_it_chats(demo: DemoProcess) -> None:
     [card] = httpx.get(f"{demo.url}/v1/models", timeout=10).json()["data"]
     assert card["id"] == SMOLLM2 and card["chat"] is True

@@ -162,6 +162,16 @@ def test_partial_match_is_released_when_it_fails_or_at_the_end() -> None:
     assert run_matcher(["STOP"], ["a ST"]) == ("a ST", False, ["a ", "ST"])
 
 
+def test_the_matcher_names_the_stop_that_completed_first() -> None:
+    """Anthropic's `stop_sequence` names it (Finish.stop_sequence)."""
+    matcher = StopMatcher(["world", "lo w", "xyz"])
+    assert matcher.matched is None
+    assert matcher.push("hello wor") == ("hel", True) and matcher.matched == "lo w"
+    quiet = StopMatcher(["xyz"])
+    quiet.push("hello")
+    assert quiet.matched is None
+
+
 def test_no_stops_is_a_pass_through() -> None:
     matcher = StopMatcher([])
     text = "anything at all"

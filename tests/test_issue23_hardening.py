@@ -192,6 +192,10 @@ def test_a_json_body_of_another_content_type_is_a_415_on_every_json_route(server
     before = server.engine.admitted
     for path in routes:
         r = post(server, path, {"messages": [HI], "prompt": "Hi", "input": "Hi", "tokens": [2]}, content_type)
+        if path.startswith("/v1/messages"):  # Anthropic's Messages API answers in Anthropic's error shape
+            assert r.status_code == 415 and r.json()["type"] == "error", r.text[:300]
+            assert r.json()["error"]["type"] == "invalid_request_error", r.text[:300]
+            continue
         error = refused(r, 415, None)
         assert error["code"] == "unsupported_media_type" and error["type"] == "invalid_request_error", error
     assert server.engine.admitted == before  # nothing was generated
@@ -244,10 +248,11 @@ def test_openapi_json_is_valid_openapi_3_1_and_describes_every_route(server: Liv
         for method in set(route.methods or ()) - {"HEAD"}:
             operation = document["paths"][path][method.lower()]
             assert "200" in operation["responses"], (path, method)
-            if method == "POST":  # a JSON body: its model's schema, and the errors in OpenAI's shape
+            if method == "POST":  # a JSON body: its model's schema, and the errors in OpenAI's (or Anthropic's) shape
                 assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                shape = "AnthropicErrorBody" if path.startswith("/v1/messages") else "ErrorBody"
                 assert operation["responses"]["415"]["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/ErrorBody"}
+                    "$ref": f"#/components/schemas/{shape}"}
     chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(chat) == {"application/json", "text/event-stream"}
     tool = document["components"]["schemas"]["FunctionTool"]["properties"]["name"]
@@ -273,6 +278,6 @@ def test_a_route_without_a_description_cannot_be_served() -> None:
     async def endpoint(request: Any) -> Any:
         raise AssertionError
 
-    with pytest.raises(ValueError, match="POST /v1/messages"):
-        describe([Route("/health", endpoint, methods=["GET"]), Route("/v1/messages", endpoint, methods=["POST"])],
+    with pytest.raises(ValueError, match="POST /v1/undescribed"):
+        describe([Route("/health", endpoint, methods=["GET"]), Route("/v1/undescribed", endpoint, methods=["POST"])],
                  title="t", version="0", keyed=False)

@@ -109,6 +109,8 @@ def _protected_requests(live: LiveServer) -> list[tuple[str, str, dict[str, Any]
         "/v1/responses": {"input": "x", "max_output_tokens": 1},
         "/v1/responses/{response_id}": None,  # GET and DELETE: the id of a response stored for each request
         "/v1/responses/{response_id}/input_items": None,
+        "/v1/messages": {"model": "gemma-test", "messages": HI, "max_tokens": 1},
+        "/v1/messages/count_tokens": {"model": "gemma-test", "messages": HI},
     }
     requests = []
     for route in live.app.routes:
@@ -144,7 +146,12 @@ def test_every_protected_route_needs_the_key_and_takes_it_either_way(keyed: Live
                             {"Authorization": b"Bearer"}, {"X-Api-Key": KEY.encode("cp1251")}):
                 r = client.request(method, _concrete(client, path), json=body, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
-                assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+                error = r.json()["error"]  # OpenAI's shape, or Anthropic's on its Messages API
+                if path.startswith("/v1/messages"):
+                    assert r.json()["type"] == "error" and error["type"] == "authentication_error", r.text
+                else:
+                    assert error["code"] == "invalid_api_key", r.text
+                assert r.headers["www-authenticate"] == "Bearer"
                 assert KEY not in r.text
                 refused += 1
             for headers in ({"Authorization": b"Bearer " + good}, {"authorization": b"bearer  " + good},

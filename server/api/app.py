@@ -6,7 +6,9 @@ meanwhile) and stops it on shutdown. `app.state.drain(grace_s)` is the graceful-
 
 Deliberate choices:
 - Every error, ours (`APIError`) or Starlette's (404 unknown route, 405 wrong method) or a bug (500), goes
-  through `error_response`, so clients always get OpenAI's `{"error": {...}}`.
+  through `error_response`, so clients always get OpenAI's `{"error": {...}}`, or Anthropic's shape
+  (`{"type": "error", "error": {...}}`) under the Messages API's paths (`ANTHROPIC_PATHS`): one shape per wire protocol,
+  picked by route, whoever raised the error (auth, the body limits, the queue, the model name).
 - Auth wraps the protected endpoints rather than being a middleware, so a bad key is an `APIError` like any
   other. `/health` and `/metrics` stay open (load balancers and scrapers carry no key), and so does the chat page
   at `/` (it holds no secret; it asks for the key when the API says 401).
@@ -41,6 +43,7 @@ from server.api.chat.constraints import OutputConstraints
 from server.api.chat.prompts import Prompts
 from server.api.chat.routes import OpenAIRoutes
 from server.api.given import EngineAPI, ModelInfo
+from server.api.messages.routes import MessagesRoutes
 from server.api.metrics import Metrics, MetricsMiddleware
 from server.api.openapi import describe
 from server.api.page import chat_page
@@ -48,11 +51,12 @@ from server.api.responses.routes import ResponsesRoutes
 from server.api.responses.store import ResponseStore
 from server.api.service import Service
 from server.config import Settings
-from server.errors import APIError
+from server.errors import AnthropicError, APIError
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+ANTHROPIC_PATHS = ("/v1/messages",)  # this prefix and below: Anthropic's error shape
 
 log = logging.getLogger("server.api")
 
@@ -76,6 +80,9 @@ async def error_response(request: Request, exc: Exception) -> Response:
     level = logging.WARNING if exc.status in (429, 503) else logging.ERROR if exc.status >= 500 else logging.INFO
     log.log(level, "%s: %s %s -> %d %s: %s", request_id, request.method, _clip(request.url.path, 200), exc.status,
             exc.code or exc.type, _clip(exc.message, 300))
+    path = request.url.path
+    if any(path == prefix or path.startswith(prefix + "/") for prefix in ANTHROPIC_PATHS):
+        exc = AnthropicError.of(exc, request_id)
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
 
 
@@ -113,7 +120,8 @@ class RequestIdMiddleware:
 
 
 def _require_key(api_key: str | None, endpoint: Endpoint) -> Endpoint:
-    """`Authorization: Bearer KEY` or `X-Api-Key: KEY`, compared in constant time."""
+    """`Authorization: Bearer KEY` or `X-Api-Key: KEY` (Anthropic's clients send the one or the other: `ANTHROPIC_AUTH_TOKEN`
+    / `ANTHROPIC_API_KEY`), compared in constant time."""
     if not api_key:
         return endpoint
     expected = api_key.encode()
@@ -159,6 +167,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
     constraints = OutputConstraints(model.protocol, model.grammar)
     api = OpenAIRoutes(service, prompts, constraints)
     responses = ResponsesRoutes(service, api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
+    messages = MessagesRoutes(service, api)
 
     async def health(request: Request) -> Response:
         state = engine.state
@@ -179,6 +188,8 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
         Route("/v1/responses/{response_id}", protected(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}/input_items", protected(responses.input_items), methods=["GET"]),
         Route("/v1/responses/{response_id}", protected(responses.delete), methods=["DELETE"]),
+        Route("/v1/messages", protected(messages.create), methods=["POST"]),
+        Route("/v1/messages/count_tokens", protected(messages.count_tokens), methods=["POST"]),
         Route("/generate", protected(api.generate), methods=["POST"]),
         Route("/v1/models", protected(api.models), methods=["GET"]),
         Route("/v1/models/{model:path}", protected(api.model), methods=["GET"]),

@@ -2,7 +2,7 @@
 
 - Request bodies are the JSON Schemas of the pydantic models the routes validate with (`mode="validation"`), so the
   description cannot drift from what is accepted. Answers are described by the models below (`extra` allowed: they
-  pin what clients rely on, not every key), errors by OpenAI's error JSON.
+  pin what clients rely on, not every key), errors by OpenAI's error JSON (Anthropic's on the Messages API's routes).
 - The paths come from the app's own route table (`describe(routes, ...)`): a route without an `Operation` in
   `OPERATIONS` fails `create_app` at once, so a new route cannot be served undescribed.
 - A streaming route's 200 is `application/json` or, with `"stream": true`, `text/event-stream`.
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute, Route
 
+from server.api.messages.schemas import CountTokensRequest, MessagesRequest
 from server.api.responses.schemas import ResponsesRequest
 from server.api.schemas import (
     ChatCompletionRequest,
@@ -48,6 +49,18 @@ class ErrorBody(_Answer):
     """OpenAI's error JSON: every 4xx and 5xx of every route."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(_Answer):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(_Answer):
+    """Anthropic's error JSON: every 4xx and 5xx of the Messages API's routes."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 class Usage(_Answer):
@@ -116,6 +129,23 @@ class ResponseObject(_Answer):
     model: str
     output: list[dict[str, Any]]
     usage: dict[str, Any] | None
+
+
+class MessageObject(_Answer):
+    """The Messages API's `message` (its content blocks as Anthropic's; see server/api/messages/builder.py)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: dict[str, Any]
+
+
+class TokenCount(_Answer):
+    input_tokens: int
 
 
 class InputItemList(_Answer):
@@ -196,6 +226,7 @@ class Operation:
     links: tuple[tuple[str, str], ...] = ()
     # Request bodies to show (and for a fuzzer's examples phase to send first): name -> body.
     examples: Mapping[str, Mapping[str, Any]] | None = None
+    error_body: type[BaseModel] = ErrorBody  # the shape of its errors (one per wire protocol)
 
 
 # A JSON route's errors: bad body (400), key (401), model or id not found (404), body too slow (408), too large (413),
@@ -236,6 +267,14 @@ OPERATIONS: Mapping[tuple[str, str], Operation] = {
             Query("after", {"type": "string"}, "The id of the item the page starts after."))),
     ("/v1/responses/{response_id}", "DELETE"): Operation("Delete a stored response", answer=DeletedResponse,
                                                          errors=(401, 404)),
+    ("/v1/messages", "POST"): Operation(
+        "Create a message (Anthropic's Messages API)", MessagesRequest, MessageObject, stream=True,
+        errors=_GENERATION_ERRORS, error_body=AnthropicErrorBody, examples={
+            "answer": {"messages": _HI, "max_tokens": 8},
+            "stream": {"messages": _HI, "max_tokens": 8, "stream": True}}),
+    ("/v1/messages/count_tokens", "POST"): Operation(
+        "Count a message's prompt tokens (Anthropic's Messages API)", CountTokensRequest, TokenCount,
+        errors=_BODY_ERRORS, error_body=AnthropicErrorBody, examples={"count": {"messages": _HI}}),
     ("/generate", "POST"): Operation("The seed server's greedy chat generation", GenerateRequest, Generated,
                                      errors=_GENERATION_ERRORS, examples={"answer": {"prompt": "Hi", "max_new_tokens": 8}}),
     ("/v1/models", "GET"): Operation("The served model", answer=ModelList, errors=(401,)),
@@ -264,8 +303,9 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _error(status: int) -> dict[str, Any]:
-    answer: dict[str, Any] = {"description": f"OpenAI's error JSON ({status})", "content": _json(_ref(ErrorBody))}
+def _error(status: int, body: type[BaseModel]) -> dict[str, Any]:
+    shape = "Anthropic's" if body is AnthropicErrorBody else "OpenAI's"
+    answer: dict[str, Any] = {"description": f"{shape} error JSON ({status})", "content": _json(_ref(body))}
     if status in (429, 503):
         answer["headers"] = {"Retry-After": {"description": "Seconds to wait before retrying (when given).",
                                              "schema": {"type": "string"}}}
@@ -291,7 +331,7 @@ def _operation(path: str, method: str, op: Operation, keyed: bool) -> dict[str, 
         responses["503"] = {"description": "Not ready: loading, draining or failed", "content": _json(_ref(Health))}
     for status in op.errors:
         if status != 401 or keyed:
-            responses[str(status)] = _error(status)
+            responses[str(status)] = _error(status, op.error_body)
     described: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(path, method),
                                  "responses": responses}
     parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
@@ -340,7 +380,8 @@ def describe(routes: Iterable[BaseRoute], *, title: str, version: str, keyed: bo
         raise ValueError(f"routes with no description in server/api/openapi.py OPERATIONS: {', '.join(missing)}")
     models: list[type[BaseModel]] = [ErrorBody, Health]
     for key in served:
-        models += [model for model in (OPERATIONS[key].body, OPERATIONS[key].answer) if model is not None]
+        op = OPERATIONS[key]
+        models += [model for model in (op.body, op.answer, op.error_body) if model is not None]
     _, schemas = models_json_schema([(model, "validation") for model in dict.fromkeys(models)], ref_template=_REF)
     paths: dict[str, dict[str, Any]] = {}
     for path, method in served:

@@ -131,4 +131,5 @@ class Sequence:
             tail = Delta(text) if text else None
         return tail, finish_event(self.handle, reason, self.num_prompt_tokens, self.generated,
                                   graph_calls=self.graph_calls, device_s=self.device_s, reused_tokens=self.reused_tokens,
-                                  prefill_calls=self.prefill_calls, ttft_s=self.ttft_s, error=self.error, timed_out=timed_out)
+                                  prefill_calls=self.prefill_calls, ttft_s=self.ttft_s, error=self.error, timed_out=timed_out,
+                                  stop_sequence=self._stops.matched if reason == "stop" else None)

@@ -83,6 +83,7 @@ class Finish:
     device_s: float = 0.0  # time inside those graph calls: the rest of total_s is queueing and host work
     error: str | None = None
     timed_out: bool = False
+    stop_sequence: str | None = None  # the stop string that ended it (its text is cut from the output), else None
 
 
 Event = Delta | PromptLogprobs | Finish

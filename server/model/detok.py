@@ -116,6 +116,7 @@ class StopMatcher:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string that was hit (the API names it: Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         if not self._stops:
@@ -124,13 +125,14 @@ class StopMatcher:
             return "", True
         buf = self._held + text
         # Every occurrence that ends in buf starts in buf: anything that could still begin one was held back.
-        best: tuple[int, int] | None = None  # (end, start) of the stop that completes first
+        best: tuple[int, int, str] | None = None  # (end, start, stop) of the stop that completes first
         for stop in self._stops:
             start = buf.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
         if best is not None:
             self.hit = True
+            self.matched = best[2]
             self._held = ""
             return buf[: best[1]], True
         keep = 0

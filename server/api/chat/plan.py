@@ -1,6 +1,6 @@
 """The chat plan (`ChatPlan`: prompt ids, sampling, constraints, output parser) and `ChatPlanner`, which makes one from
 a `ChatCompletionRequest` and submits it as GenerationRequests. The chat routes implement it; an API translated onto
-the chat path (the Responses API) takes it as this protocol, so it depends on these names, not on the chat routes.
+the chat path (the Responses and Messages APIs) takes it as this protocol, so it depends on these names, not on the chat routes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class ChatPlan:
 
 class ChatPlanner(Protocol):
     async def plan_chat(self, body: ChatCompletionRequest) -> ChatPlan: ...  # mistakes: 400s naming chat fields
+
+    async def prompt_ids(self, body: ChatCompletionRequest) -> list[int]: ...  # the prompt plan_chat renders, only
 
     def submit_plan(self, plan: ChatPlan, body: ChatCompletionRequest, n: int, *, param: str,
                     request_id: str) -> list[RequestHandle]: ...  # n choices together; too long a prompt: a 400 on `param`

@@ -195,6 +195,13 @@ class OpenAIRoutes:
             return None
         return ThoughtBudget(*markers, tokens=tokens)
 
+    async def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """`ChatPlanner.prompt_ids`: the model checked and the prompt rendered as `plan_chat` renders it (no sampling
+        or constraint planned: a count needs neither, nor the grammar vocabulary)."""
+        self.prompts.check_model(body.model)
+        ids, _ = await self.prompts.chat_prompt(body)
+        return ids
+
     @staticmethod
     def _eos_fields(body: SamplingFields) -> dict[str, Any]:
         return {"ignore_eos": bool(body.ignore_eos), "min_tokens": body.min_tokens or 0}

@@ -1,0 +1,103 @@
+"""The Messages API's routes: `POST /v1/messages`, planned and submitted through the chat package's `ChatPlanner` (the
+same checks, prompt, constraints, budget and parser as `/v1/chat/completions`; only the shape is new), and
+`POST /v1/messages/count_tokens`, the same prompt counted.
+
+Deliberate choices (do not "fix" these without reading why):
+- Every error of these routes is Anthropic's JSON (the app's handler picks the shape by route, see server/errors.py);
+  after the headers of a stream, a failure is an `error` event, as Anthropic sends it.
+- The stream's events come in Anthropic's order: `message_start`, then per block `content_block_start`,
+  `content_block_delta`s, `content_block_stop` (a `ping` after the first block's start, or before the end when there
+  is no block), then `message_delta` (stop_reason, usage) and `message_stop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.chat.plan import ChatPlanner
+from server.api.http import parse, read_body
+from server.api.messages.builder import MessageBuilder, final_delta, finished, message_shell
+from server.api.messages.schemas import CountTokensRequest, MessagesRequest
+from server.api.messages.translate import chat_request, in_messages_terms
+from server.api.service import ClientGone, Service
+from server.api.sse import GenerationStream, frame
+from server.engine.types import Delta, RequestHandle
+from server.errors import AnthropicError, APIError
+
+PING = {"type": "ping"}
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return frame(payload, event=payload["type"])
+
+
+class MessagesRoutes:
+    def __init__(self, service: Service, chat: ChatPlanner) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.chat = chat
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+
+    # ------------------------------------------------------------------ POST /v1/messages
+
+    async def create(self, request: Request) -> Response:
+        body = parse(MessagesRequest, await self._body(request))
+        chat_body = chat_request(body)
+        message_id = f"msg_{request.state.completion_id}"
+        try:
+            plan = await self.chat.plan_chat(chat_body)
+            (handle,) = self.chat.submit_plan(plan, chat_body, 1, param="messages", request_id=message_id)
+        except APIError as exc:
+            raise in_messages_terms(exc) from None
+        shell = message_shell(message_id, plan.model, len(plan.ids))
+        thinking = body.thinking
+        builder = MessageBuilder(plan.new_parser(), show_thinking=thinking is None or thinking.display != "omitted")
+        if body.stream:
+            return GenerationStream(self._stream(handle, builder, shell), lambda: self.service.release(handle),
+                                    ping_s=self.settings.sse_ping_s)
+        try:
+            (done,) = await self.service.collect(request, [handle])
+        except ClientGone:
+            return Response(status_code=499)
+        for delta in done.deltas:
+            builder.feed(delta)
+        builder.finish()
+        return JSONResponse(finished(shell, builder, done.finish))
+
+    async def _stream(self, handle: RequestHandle, builder: MessageBuilder,
+                      shell: dict[str, Any]) -> AsyncIterator[bytes]:
+        yield _event({"type": "message_start", "message": shell})
+        pinged = False
+        try:
+            async for engine_event in self.service.events(handle):
+                payloads = builder.feed(engine_event) if isinstance(engine_event, Delta) else builder.finish()
+                for payload in payloads:
+                    yield _event(payload)
+                    if not pinged and payload["type"] == "content_block_start":
+                        pinged = True
+                        yield _event(PING)
+                if not isinstance(engine_event, Delta):
+                    if not pinged:
+                        yield _event(PING)
+                    yield _event(final_delta(engine_event, builder))
+                    yield _event({"type": "message_stop"})
+        except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
+            error = AnthropicError.of(self.service.stream_failure(exc, shell["id"]))
+            yield _event(error.to_json())
+
+    # ------------------------------------------------------------------ POST /v1/messages/count_tokens
+
+    async def count_tokens(self, request: Request) -> Response:
+        body = parse(CountTokensRequest, await self._body(request))
+        chat_body = chat_request(body)
+        try:
+            ids = await self.chat.prompt_ids(chat_body)
+        except APIError as exc:
+            raise in_messages_terms(exc) from None
+        return JSONResponse({"input_tokens": len(ids)})

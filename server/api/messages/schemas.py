@@ -1,0 +1,218 @@
+"""The bodies of `POST /v1/messages` and `/v1/messages/count_tokens` as pydantic models (Anthropic's Messages API).
+
+Deliberate choices (do not "fix" these without reading why):
+- What Anthropic has and this server cannot honour is a 400 naming it, never dropped: image, document and search
+  result blocks (a text-only model, until the vision issue lands), citations, redacted thinking (encrypted by another
+  server), server tools (web search, code execution, ...), MCP servers, containers, context management, an assistant
+  prefill (the chat path always opens a new assistant turn).
+- `cache_control` (on the body, a block or a tool) is accepted and ignored: this server caches the longest common
+  prompt prefix on its own (`usage.cache_read_input_tokens` says how much was reused), with no markers needed.
+  So are `metadata`, `service_tier`, `inference_geo`, `speed`, `diagnostics`, and a thinking block's `signature`:
+  none changes the output here.
+- `temperature`, `top_p` and `top_k` are taken when sent (LiteLLM and older SDKs send them; the 2026 SDK passes them
+  through `extra_body`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from server.api.http import BodyPart, RequestBody
+from server.api.schemas import ToolName, joined_text_parts
+
+USER_BLOCKS = ("text", "tool_result")
+ASSISTANT_BLOCKS = ("text", "tool_use", "thinking")
+REFUSED = {
+    "container": "code execution containers are not supported (this server runs no server tools)",
+    "mcp_servers": "MCP servers are not supported: declare their tools as client tools",
+    "context_management": "not supported: nothing is cleared from a conversation; one longer than the context is a 400",
+}
+_WHY_NOT = {
+    "image": "a text-only model: image blocks are not supported",
+    "document": "document blocks are not supported (send the text as a text block)",
+    "search_result": "search result blocks are not supported (send the text as a text block)",
+    "redacted_thinking": "this server issues no redacted thinking and cannot read another's",
+}
+
+
+def _blocks(allowed: tuple[str, ...]) -> BeforeValidator:
+    """A string (one text block) or a list of blocks of the `allowed` types; any other type is refused naming it."""
+
+    def blocks(value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of content blocks")
+        for index, block in enumerate(value):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in allowed:
+                why = _WHY_NOT.get(kind, f"supported here: {', '.join(allowed)}") if isinstance(kind, str) else \
+                    f"supported: {', '.join(allowed)}"
+                raise ValueError(f"block {index} has type {kind!r}: {why}")
+        return value
+
+    return BeforeValidator(blocks)
+
+
+class TextBlock(BodyPart):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # accepted and ignored (see the module docstring)
+    citations: list[Any] | None = None
+
+    @field_validator("citations")
+    @classmethod
+    def _no_citations(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("citations are not supported")
+        return value
+
+
+class ToolUseBlock(BodyPart):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(BodyPart):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: Annotated[str, BeforeValidator(lambda v: joined_text_parts(v, ("text",)) if isinstance(v, list) else v)] = ""
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ThinkingBlock(BodyPart):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None  # this server's are empty; any is accepted and ignored
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class InputMessage(BodyPart):
+    role: Literal["user", "assistant"]
+    content: Annotated[list[Block], _blocks(tuple(dict.fromkeys(USER_BLOCKS + ASSISTANT_BLOCKS)))]
+
+    @model_validator(mode="after")
+    def _the_roles_blocks(self) -> InputMessage:
+        allowed = USER_BLOCKS if self.role == "user" else ASSISTANT_BLOCKS
+        for index, block in enumerate(self.content):
+            if block.type not in allowed:
+                raise PydanticCustomError("block_role", "content: block {index} has type {kind!r}, which a {role} "
+                                          "message cannot have (a {role} message has {allowed})",
+                                          {"index": index, "kind": block.type, "role": self.role,
+                                           "allowed": " / ".join(allowed), "loc": "content"})
+        return self
+
+
+class CustomTool(BodyPart):
+    type: Literal["custom"] | None = None
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None  # forced calls follow the schema by grammar in any case
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(BodyPart):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, min_length=1)
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise PydanticCustomError("tool_choice", "name: required with type 'tool' (and only with it)",
+                                      {"loc": "name"})
+        return self
+
+
+class ThinkingConfig(BodyPart):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)  # Anthropic's floor of 1,024 does not apply here
+    display: Literal["summarized", "omitted"] | None = None  # summarized: the thought itself (there is no summarizer)
+
+    @model_validator(mode="after")
+    def _budget(self) -> ThinkingConfig:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise PydanticCustomError("thinking", "budget_tokens: required with type 'enabled' (and only with it)",
+                                      {"loc": "budget_tokens"})
+        return self
+
+
+class OutputFormat(BodyPart):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BodyPart):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # "max": chat's highest, "xhigh"
+    format: OutputFormat | None = None
+
+
+class PromptBody(RequestBody):
+    """What both routes render: the model, the conversation, the tools and the thinking switch."""
+
+    refused_hints = REFUSED
+
+    model: str | None = None  # Anthropic's SDKs always send one; unset, as on chat: the served model
+    messages: list[InputMessage] = Field(min_length=1)
+    system: Annotated[list[TextBlock], _blocks(("text",))] | None = None
+    tools: list[CustomTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    # Accepted and ignored: they change nothing in the output here (see the module docstring).
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _roles(cls, value: Any) -> Any:
+        for i, message in enumerate(value if isinstance(value, list) else ()):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ("user", "assistant"):
+                raise ValueError(f"message {i} has role {role!r}: 'user' or 'assistant' (the system prompt is the "
+                                 "top-level 'system' field)")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_the_user(cls, value: list[Any]) -> list[Any]:
+        if value and value[-1].role == "assistant":
+            raise ValueError("the last message must be the user's: continuing an assistant prefill is not supported")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _custom_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind not in (None, "custom"):
+                raise ValueError(f"tool {i} has type {kind!r}: only custom tools (name, description, input_schema) are "
+                                 "supported (this server runs no server tools)")
+        return value
+
+
+class MessagesRequest(PromptBody):
+    max_tokens: int = Field(ge=1)  # required, as Anthropic requires it
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # 0: off
+    stream: bool | None = False
+    metadata: dict[str, Any] | None = None  # {"user_id": ...}: accepted and ignored
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
+
+
+class CountTokensRequest(PromptBody):
+    """`/v1/messages/count_tokens`: the prompt's parts only (Anthropic's own body has no max_tokens)."""
