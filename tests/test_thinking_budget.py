@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import numpy as np
@@ -307,6 +308,38 @@ def test_an_effort_budget_ends_the_thought_on_the_responses_api(server: LiveServ
     assert (thought, text) == (reasoning["content"][0]["text"], message["content"][0]["text"])
     done = next(e for e in events if e["type"] == "response.completed" or e["type"] == "response.incomplete")
     assert done["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 1 + budget + 1
+
+
+def test_thinking_budget_tokens_ends_the_thought_on_the_messages_api(server: LiveServer) -> None:
+    """The official `anthropic` SDK, unmodified: `thinking.budget_tokens` is the same budget as chat's
+    `reasoning_budget` (the same greedy thought, cut at the same token), streamed as thinking_delta events."""
+    budget = 7
+    reference = answer(server, max_tokens=24, reasoning_budget=budget, **THINK)
+    assert thought_of(tokens_of(reference)) == budget
+    message = reference["choices"][0]["message"]
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    fields: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "messages": HI,
+                              "thinking": {"type": "enabled", "budget_tokens": budget},
+                              "extra_body": {"temperature": 0.0}}
+    reply = client.messages.create(**fields)
+    assert [block.type for block in reply.content] == ["thinking", "text"]
+    assert reply.content[0].thinking == message["reasoning_content"]  # the thought, cut where chat's was
+    assert reply.content[1].text == message["content"]  # and the answer after it
+    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 24  # the budget counts in max_tokens
+
+    with client.messages.stream(**fields) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [event.delta for event in events if event.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == message["reasoning_content"]
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == message["content"]
+    assert [block.type for block in final.content] == ["thinking", "text"]
+
+    # adaptive: thinking on with no budget of its own, so the server's --reasoning-budget applies, as on chat
+    adaptive = client.messages.create(**{**fields, "thinking": {"type": "adaptive"}})
+    default = answer(server, max_tokens=24, **THINK)
+    assert thought_of(tokens_of(default)) == SERVER_BUDGET
+    assert adaptive.content[0].thinking == default["choices"][0]["message"]["reasoning_content"]
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
