@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context: prompt + completion, tokens (default: 512)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and embedding table dtype (default: float32)")
+    export.add_argument("--vision", choices=("off", "host"), default="off",
+                        help="host: also keep the vision tower and its projection (vision.safetensors), for serve "
+                             "--vision host; off: the text model only (default: off)")
 
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
     bench.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
@@ -130,7 +133,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         from server.tools.export import export
 
         _setup_logging("info")
-        export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype)
+        export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype,
+               vision=args.vision)
         print(args.dest)
         return 0
 

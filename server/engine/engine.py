@@ -33,8 +33,17 @@ from server.engine.kv import KVSlots
 from server.engine.runner import Abandoned, DeviceWatch, Runner, slot_graph
 from server.engine.scheduler import DecodeStep, Scheduler, Step
 from server.engine.sequence import Sequence, finish_event
-from server.engine.types import Delta, EngineNotReady, Event, Finish, GenerationRequest, QueueFull, RequestHandle
-from server.graphs.base import Graph
+from server.engine.types import (
+    Delta,
+    EngineNotReady,
+    Event,
+    Finish,
+    GenerationRequest,
+    QueueFull,
+    RequestHandle,
+    prompt_keys,
+)
+from server.graphs.base import Graph, VisionEncoder
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
 from server.sampling.params import TokenConstraint
@@ -56,11 +65,13 @@ class Engine:
     def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
                  load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
                  step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
-                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None, max_batch: int = 0) -> None:
+                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None, max_batch: int = 0,
+                 load_vision: Callable[[], VisionEncoder] | None = None) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._load_graph = load_graph
+        self._load_vision = load_vision  # the image encoder (None: a text-only server), loaded with the graph
         self._on_loaded = on_loaded  # process-wide policy once the graph is in (see server.app.process)
         self._constraints = constraints  # a request's constraint (a value) -> a fresh matcher for one run
         self.graph: Graph | None = None
@@ -189,10 +200,11 @@ class Engine:
         last: dict[tuple[int, ...], RequestHandle] = {}
         after = {}
         for handle in handles:
-            before = last.get(handle.request.prompt_ids)
+            key = prompt_keys(handle.request)  # the images' content too: the same ids with other images differ
+            before = last.get(key)
             if before is not None:
                 after[handle] = before
-            last[handle.request.prompt_ids] = handle
+            last[key] = handle
         with self._cond:
             if len(self._live) + len(handles) > self.max_queue:
                 raise QueueFull(self.max_queue)
@@ -283,6 +295,7 @@ class Engine:
         """Load the graph and what drives it; a failure is reported on /health, never raised into the void."""
         try:
             self.graph = graph = self._load_graph()
+            vision = self._load_vision() if self._load_vision is not None else None
             if self._on_loaded is not None:
                 self._on_loaded()
             slots = slot_graph(graph)
@@ -292,7 +305,7 @@ class Engine:
             self._settled.set()
             return False
         self.capacity = min(slots.slots, max(slots.decode_batches), self.max_batch or slots.slots)
-        self._runner = Runner(slots, self.embedding, self._cond, self._watch, graph.max_total)
+        self._runner = Runner(slots, self.embedding, self._cond, self._watch, graph.max_total, vision)
         self._scheduler = Scheduler(buckets_of(graph), KVSlots(slots.rewind_slot, self.capacity), self.capacity,
                                     prefix_reuse=self.prefix_reuse)
         self._loaded = True
@@ -401,7 +414,7 @@ class Engine:
                 if not step.last:
                     return
                 assert seq.kv is not None
-                seq.kv.keep(seq.handle.request.prompt_ids, logits)  # [1, 1, V]
+                seq.kv.keep(seq.prompt_keys, logits)  # [1, 1, V]
                 logits = logits.reshape(1, -1)  # [1, V]
         except Abandoned:  # the watchdog already ended these requests
             self._fail(rows, None)

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from server.api.schemas import ChatCompletionRequest
 from server.constraints.constraint import ConstraintSpec
-from server.engine.types import RequestHandle, SamplingParams
+from server.engine.types import ImageInput, RequestHandle, SamplingParams
 from server.protocol import OutputParser, PromptInputs
 
 
@@ -26,6 +26,7 @@ class ChatPlan:
     constraint: ConstraintSpec | None  # a value, shared by the choices: the engine builds each run's matcher
     new_parser: Callable[[], OutputParser]
     keep_special_tokens: bool
+    images: tuple[ImageInput, ...] = ()  # read and placed (offsets in ids): the engine encodes them
 
 
 class ChatPlanner(Protocol):

@@ -113,7 +113,7 @@ class OpenAIRoutes:
         """`ChatPlanner.submit_plan`: chat completions and the Responses API submit a plan here, and only here."""
         return self.submit([plan.ids], body.token_limit, param, n, sampling=plan.sampling, constraint=plan.constraint,
                            stop=body.stop, request_id=request_id, skip_special_tokens=not plan.keep_special_tokens,
-                           **self._eos_fields(body))
+                           images=plan.images, **self._eos_fields(body))
 
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
@@ -170,14 +170,14 @@ class OpenAIRoutes:
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
         sampling = self._sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
-        ids, inputs = await self.prompts.chat_prompt(body)
+        ids, inputs, images = await self.prompts.chat_prompt(body)
         constraint = await self.constraints.plan(body, inputs)
         protocol = self.prompts.protocol
         tool_names = [tool.function["name"] for tool in body.tools or ()]
         parse_tools = bool(tool_names) and body.tool_choice != "none"
         return ChatPlan(model, ids, inputs, sampling, constraint,
                         functools.partial(protocol.parser, tool_names=tool_names, parse_tool_calls=parse_tools),
-                        protocol.keep_special_tokens)
+                        protocol.keep_special_tokens, images)
 
     @staticmethod
     def _eos_fields(body: SamplingFields) -> dict[str, Any]:
