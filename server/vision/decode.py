@@ -83,6 +83,9 @@ def _download(url: str, max_bytes: int) -> bytes:
     except ImageError:
         raise
     except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:  # urllib's answer past max_redirections, or to a redirect to another scheme
+            raise ImageError(f"the image URL's redirect was not followed (more than {MAX_REDIRECTS}, or to a non-http(s) "
+                             "URL)") from None
         raise ImageError(f"the image URL answered HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)

@@ -12,36 +12,51 @@ few vCPUs (`python -m server bench` measures it). For builds without a vision gr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 BUDGETS = (70, 140, 280, 560, 1120)  # the image processor's; the host runs any of them (nothing is compiled)
 
 
+def modules(vision_config: Any, text_config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' vision tower and `embed_vision` projection for these configs (random or empty weights)."""
+    from transformers import AutoModel
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+    return AutoModel.from_config(vision_config), Gemma4MultimodalEmbedder(vision_config, text_config)
+
+
 class HostVisionEncoder:
     name = "host"
 
-    def __init__(self, weights: Path, config_dir: Path, dtype: torch.dtype, budgets: tuple[int, ...] = BUDGETS) -> None:
+    def __init__(self, tower: torch.nn.Module, embed: torch.nn.Module, *, pooling: int, hidden_size: int,
+                 dtype: torch.dtype, budgets: tuple[int, ...] = BUDGETS) -> None:
+        self.tower = tower.to(dtype).eval()
+        self.embed = embed.to(dtype).eval()
+        self.pooling = pooling
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.budgets = tuple(sorted(budgets))
+
+    @classmethod
+    def from_export(cls, weights: Path, config_dir: Path, dtype: torch.dtype,
+                    budgets: tuple[int, ...] = BUDGETS) -> HostVisionEncoder:
+        """The export's vision.safetensors (`export --vision host`) in transformers' modules built from cfg/."""
         from accelerate import init_empty_weights
         from safetensors.torch import load_file
-        from transformers import AutoConfig, AutoModel
-        from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+        from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(config_dir)
         with init_empty_weights():
-            tower = AutoModel.from_config(config.vision_config)
-            embed = Gemma4MultimodalEmbedder(config.vision_config, config.get_text_config())
+            tower, embed = modules(config.vision_config, config.get_text_config())
         state = load_file(str(weights))
         for prefix, module in (("vision_tower", tower), ("embed_vision", embed)):
             own = {key[len(prefix) + 1:]: value for key, value in state.items() if key.startswith(prefix + ".")}
             # strict: a missing or stray tensor means the file is not this model's tower
             module.load_state_dict(own, strict=True, assign=True)
-        self.tower = tower.to(dtype).eval()
-        self.embed = embed.to(dtype).eval()
-        self.pooling = int(config.vision_config.pooling_kernel_size)
-        self.dtype = dtype
-        self.budgets = tuple(sorted(budgets))
-        self.hidden_size = int(config.get_text_config().hidden_size)
+        return cls(tower, embed, pooling=int(config.vision_config.pooling_kernel_size),
+                   hidden_size=int(config.get_text_config().hidden_size), dtype=dtype, budgets=budgets)
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor, budget: int) -> torch.Tensor:

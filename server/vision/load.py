@@ -112,7 +112,7 @@ def plan_vision(mode: str, art: ArtifactDir, kind: str, spec: GraphSpec, dtype: 
         from server.vision.host import HostVisionEncoder
 
         assert weights is not None
-        return HostVisionEncoder(weights, art.cfg, dtype, budgets)
+        return HostVisionEncoder.from_export(weights, art.cfg, dtype, budgets)
 
     return VisionPlan("host", budgets, load)
 
