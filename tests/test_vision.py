@@ -50,8 +50,9 @@ ONE = "<bos><|turn>user\nDescribe <|image|> briefly.<turn|>\n<|turn>model\n"
 
 
 def vision_settings(**overrides: Any) -> Settings:
-    return Settings(graph="hf", host="127.0.0.1", port=0, served_model_name=MODEL, lazy_grammar=True, vision="host",
-                    image_tokens=70, **overrides)
+    values: dict[str, Any] = dict(graph="hf", host="127.0.0.1", port=0, served_model_name=MODEL, lazy_grammar=True,
+                                  vision="host", image_tokens=70)
+    return Settings(**{**values, **overrides})
 
 
 @pytest.fixture(scope="module")

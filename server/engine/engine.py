@@ -375,6 +375,11 @@ class Engine:
         graph = self.graph
         assert graph is not None
         request = handle.request
+        longest = max(self._scheduler.buckets)
+        if any(image.soft_tokens > longest for image in request.images):  # one image is one prefill call
+            raise ValueError(f"an image of more soft tokens than the largest prefill chunk ({longest})")
+        if request.images and self._runner.vision is None:
+            raise ValueError("this engine has no vision encoder for the request's images")
         constraint = self._constraint_for(request)
         sampler = Sampler(request.sampling, graph.vocab_size, request.prompt_ids, graph.host_softcap,
                           constraint=constraint, stop_ids=sorted(self.eos_token_ids), min_tokens=request.min_tokens)

@@ -252,7 +252,9 @@ class OpenAIRoutes:
         card = {"id": model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
                 "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat,
                 # how many generations run at once (KV slots in use together; 0 while the graph loads)
-                "max_concurrency": self.service.engine.capacity}
+                "max_concurrency": self.service.engine.capacity,
+                # image parts are read (issue 27): the chat page offers to attach one
+                "images": model.images is not None}
         if model.description is not None:
             card["description"] = model.description
         return card
