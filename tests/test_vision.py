@@ -27,8 +27,10 @@ from server.app.runtime import Host, build_engine, load_host
 from server.config import Settings
 from server.engine.engine import Engine
 from server.engine.types import Finish, GenerationRequest
+from server.model.artifacts import ArtifactDir, GraphSpec
 from server.sampling.params import SamplingParams
 from server.tools.export import export
+from server.vision.load import VisionUnavailable, plan_vision
 from tests.support.api_fixtures import live_server
 from tests.support.vision import (
     IMAGE_TOKEN,
@@ -219,3 +221,31 @@ def test_bad_images_are_400s_naming_the_part(client: OpenAI, url: str, says: str
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1)  # type: ignore[misc,list-item]
     assert says in caught.value.message
     assert caught.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]
+
+
+def test_an_export_without_the_tower_serves_no_images(checkpoint: Path, tmp_path: Path) -> None:
+    artifacts = export(checkpoint, tmp_path / "artifacts", prefill_bucket=BUCKET, max_total=MAX_TOTAL)  # --vision off
+    assert not (artifacts / "vision.safetensors").exists()
+    assert (artifacts / "cfg" / "preprocessor_config.json").is_file()  # the processor's settings are always kept
+    auto = load_host(artifacts, "hf", MODEL, settings=vision_settings(vision="auto"))
+    assert auto.images is None and auto.info.images is None and "export --vision host" in auto.vision.reason
+    with pytest.raises(VisionUnavailable, match="vision.safetensors"):
+        load_host(artifacts, "hf", MODEL, settings=vision_settings(vision="host"))
+    # a graph that takes no image blocks would mask images causally: refused, not served wrong
+    with pytest.raises(VisionUnavailable, match="block_ids"):
+        plan_vision("host", ArtifactDir(artifacts), "null", GraphSpec(), None)
+
+
+def test_an_exported_tower_is_transformers_own(host: Host, checkpoint: Path) -> None:
+    import torch
+    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    assert host.images is not None and host.vision.load is not None
+    encoder = host.vision.load()
+    image = host.images.prepare(picture("tall"), 70)  # the only budget a 96-token chunk holds
+    pixels, positions = torch.from_numpy(image.pixel_values)[None], torch.from_numpy(image.position_ids)[None]
+    with torch.inference_mode():
+        (expected,) = model.model.get_image_features(pixels, positions, return_dict=True).pooler_output
+    soft = encoder.encode(pixels, positions, 70)
+    assert soft.shape == (image.soft_tokens, 64) and torch.equal(soft, expected)

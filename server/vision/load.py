@@ -14,6 +14,7 @@ at start-up; auto: off, logged).
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,11 @@ def plan_vision(mode: str, art: ArtifactDir, kind: str, spec: GraphSpec, dtype: 
     """`--vision` resolved for this artifact directory and graph (see the module docs)."""
     if mode == "off":
         return VisionPlan("off", reason="images are off on this server (--vision off)")
+    raw = json.loads((art.cfg / "config.json").read_text(encoding="utf-8"))
+    if not raw.get("vision_config"):  # a text-only model: decided without importing transformers (start-up time)
+        if mode == "host":
+            raise VisionUnavailable("--vision host: this model reads no images (its config has no vision tower)")
+        return VisionPlan("off", reason="this is a text-only model")
     config = model_config(art)
     problem = None
     if not model_reads_images(config):
