@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context: prompt + completion, tokens (default: 512)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and embedding table dtype (default: float32)")
+    export.add_argument("--vision", choices=("off", "host"), default="off",
+                        help="host: also keep the vision tower and its projection (vision.safetensors), for serve "
+                             "--vision host; off: the text model only (default: off)")
 
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
     bench.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --concurrency: a v3 build to measure")
     bench.add_argument("--graph", dest="bench_graph", default="jit", choices=GRAPH_KINDS,
                        help="with --artifacts: its graph kind (default: jit)")
-    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints}",
+    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     load = parts.add_parser("load", help="anonymous memory while a graph loads (v2 separate weights vs inside)")
     load.add_argument("--artifacts", type=Path, required=True, metavar="DIR", help="the artifact directory to load")
@@ -96,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("cfg", type=Path, metavar="CFG_DIR", help="a tokenizer directory, e.g. the demo's cfg/")
     masks.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
                        help="also write the results here, as one JSON object")
+    vision = parts.add_parser("vision", help="the host vision encoder's time per image at each soft-token budget")
+    vision.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
+                        help="an export with vision.safetensors (default: a random tower of the 26B's vision shape)")
+    vision.add_argument("--budgets", type=_counts, default=(70, 140, 280), metavar="N,N,...",
+                        help="soft-token budgets to time (default: 70,140,280)")
+    vision.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
+                        help="also write the results here, as one JSON object")
     return parser
 
 
@@ -130,7 +140,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         from server.tools.export import export
 
         _setup_logging("info")
-        export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype)
+        export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype,
+               vision=args.vision)
         print(args.dest)
         return 0
 
@@ -148,6 +159,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _setup_logging("warning")
         if args.bench_part == "load":
             report(load.measure_load_memory(args.artifacts, args.graph), args.json_path)
+            return 0
+        if args.bench_part == "vision":
+            from server.tools.bench import vision as vision_bench
+
+            report(vision_bench.measure(args.artifacts, args.budgets), args.json_path)
             return 0
         return constraints.run(args.cfg, args.json_path)
 

@@ -92,6 +92,23 @@ def _graph_kind(text: str) -> str:
     return text
 
 
+VISION_MODES = ("auto", "host", "off")
+IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # the soft-token budgets Gemma-4's image processor takes
+
+
+def _vision_mode(text: str) -> str:
+    if text not in VISION_MODES:
+        raise ValueError(f"must be one of {', '.join(VISION_MODES)}, got {text!r}")
+    return text
+
+
+def _image_budget(text: str) -> int:
+    value = int(text)
+    if value not in IMAGE_BUDGETS:
+        raise ValueError(f"must be one of {', '.join(map(str, IMAGE_BUDGETS))}, got {value}")
+    return value
+
+
 DEFAULT_CACHE = "~/.cache/gemma4-optb"
 
 
@@ -178,6 +195,24 @@ class Settings:
                                   "(structured output, forced tool calls) on the first request that needs it, not at "
                                   "start-up: the build holds the GIL ~0.6 s (~1.7 s on a first start); the env takes "
                                   "1/0", shown="off")
+    vision: str = _setting("--vision", "VISION", _vision_mode, "auto",
+                           "images in: auto (the graph's vision encoder if graph.json declares one, else host if the "
+                           "export kept vision.safetensors, else off), host (the vision tower on the CPU, torch: tens "
+                           "of seconds per image for the 26B), off (image parts are a 400)", choices=VISION_MODES)
+    image_tokens: int = _setting("--image-tokens", "IMAGE_TOKENS", _image_budget, 280,
+                                 "soft tokens per image for detail auto (and unset): 70, 140, 280, 560 or 1120; detail "
+                                 "low takes 70, high the largest the encoder has")
+    max_images_per_request: int = _setting("--max-images-per-request", "MAX_IMAGES_PER_REQUEST", _non_negative_int, 8,
+                                           "most images one request may carry (400 beyond)")
+    max_image_bytes: int = _setting("--max-image-bytes", "MAX_IMAGE_BYTES", _positive_int, 20 * 1024 * 1024,
+                                    "largest encoded image (a data: URL's decoded bytes, or a download), bytes (400 "
+                                    "beyond)")
+    max_image_pixels: int = _setting("--max-image-pixels", "MAX_IMAGE_PIXELS", _positive_int, 50_000_000,
+                                     "most pixels (width x height) an image may declare: a decompression bomb is a 400 "
+                                     "before it is decoded")
+    allow_image_urls: bool = _setting("--allow-image-urls", "ALLOW_IMAGE_URLS", _switch, False,
+                                      "let image parts name http(s) URLs the server downloads (--max-image-bytes, "
+                                      "10 s, 3 redirects); off: data: URLs only; the env takes 1/0", shown="off")
 
     allowed_origins: tuple[str, ...] = _setting(
         "--allowed-origins", "ALLOWED_ORIGINS", _names, (), "CORS: comma-separated origins whose browser pages may call "
@@ -198,6 +233,7 @@ class Settings:
         _graph_kind(self.graph)
         if self.served_model_name is not None:
             served_names(self.served_model_name)
+        _vision_mode(self.vision)
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
 

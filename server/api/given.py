@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from server.engine.types import GenerationRequest, RequestHandle
+from server.engine.types import GenerationRequest, ImageInput, RequestHandle
 from server.protocol.base import ChatProtocol
 
 
@@ -19,6 +19,19 @@ class GrammarSource(Protocol):
     @property
     def started(self) -> bool: ...
     def wait(self, timeout: float) -> Any: ...  # a GrammarVocab, or None while it builds; RuntimeError if it failed
+
+
+class ImageReader(Protocol):
+    """Image parts as the API reads them (server.vision.reader.ImageReader is one): given, so api/ never loads the
+    image processor (transformers, torch) itself. `read` is blocking: call it on a worker thread."""
+
+    budgets: tuple[int, ...]  # soft-token budgets the encoder takes, ascending
+    max_images: int  # per request
+    image_token: str  # the model's soft-token placeholder (one token), as its tokenizer writes it
+
+    def budget(self, detail: str | None) -> int: ...  # OpenAI's detail (low / auto / high) -> a budget
+    def expansion(self, soft_tokens: int) -> str: ...  # the prompt text of one image of that many soft tokens
+    def read(self, url: str, budget: int) -> ImageInput: ...  # a ValueError says what is wrong with the image
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +61,9 @@ class ModelInfo:
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+    # Image parts (issue 27): None when this server takes none (a text-only model, --vision off); `images_off` says why
+    images: ImageReader | None = None
+    images_off: str = "this is a text-only model"
 
 
 class EngineAPI(Protocol):

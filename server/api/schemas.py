@@ -11,9 +11,19 @@ Deliberate choices (do not "fix" these without reading why):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from server.api.http import BodyPart, RequestBody
@@ -69,6 +79,55 @@ def joined_text_parts(parts: list[Any], allowed: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
+# Where an image part sat in a message's text: server.api.chat.prompts swaps each for the image's tokens after the
+# chat template rendered the turn (no text may hold it: a text part with it is refused, and the count is checked).
+IMAGE_MARK = "\x00image\x00"
+DETAILS = ("low", "auto", "high")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """An image part of a message, as sent: its URL (data: or http(s)), OpenAI's `detail`, its index in the content."""
+
+    url: str
+    detail: str | None
+    part: int
+
+
+def image_ref(part: dict[str, Any], index: int) -> ImageRef:
+    """A chat `image_url` part ({"type": "image_url", "image_url": {"url": ..., "detail": ...}}; the url alone as a
+    string is taken too), checked."""
+    value = part.get("image_url")
+    url, detail = (value, None) if isinstance(value, str) else \
+        (value.get("url"), value.get("detail")) if isinstance(value, dict) else (None, None)
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"content part {index}: image_url.url must be a string (a data: URL)")
+    if detail is not None and detail not in DETAILS:
+        raise ValueError(f"content part {index}: image_url.detail must be one of {', '.join(DETAILS)}, got {detail!r}")
+    return ImageRef(url, detail, index)
+
+
+def split_parts(parts: list[Any]) -> tuple[str, tuple[ImageRef, ...]]:
+    """Chat content parts -> their text (parts joined with "\n", each image an IMAGE_MARK) and their images."""
+    pieces: list[str] = []
+    images: list[ImageRef] = []
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            images.append(image_ref(part, index))
+            pieces.append(IMAGE_MARK)
+            continue
+        if kind != "text":
+            raise ValueError(f"content part {index} has type {kind!r}; only 'text' and 'image_url' parts are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"content part {index}: 'text' must be a string")
+        if IMAGE_MARK in text:
+            raise ValueError(f"content part {index}: 'text' holds NUL characters")
+        pieces.append(text)
+    return "\n".join(pieces), tuple(images)
+
+
 class StreamOptions(BodyPart):
     include_usage: bool | None = False
 
@@ -92,6 +151,30 @@ class Message(BodyPart):
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant: its thought, sent back (the template may drop it)
     reasoning: str | None = None  # the same, as some clients name it
+    # The content's image parts, in order (its text holds an IMAGE_MARK where each sat); set by `_image_parts`.
+    _images: tuple[ImageRef, ...] = PrivateAttr(default=())
+
+    @property
+    def images(self) -> tuple[ImageRef, ...]:
+        return self._images
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _image_parts(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Message:
+        # A content list becomes text here (with IMAGE_MARKs), its images kept beside it: every consumer of a
+        # message reads its content as one string, as before images.
+        images: tuple[ImageRef, ...] = ()
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            try:
+                text, images = split_parts(data["content"])
+            except ValueError as exc:
+                raise PydanticCustomError("invalid_content", "content: {message}",
+                                          {"message": str(exc), "loc": "content"}) from None
+            data = {**data, "content": text}
+        message = handler(data)
+        if images:
+            message._images = images
+        return message
 
     @model_validator(mode="after")
     def _content_where_needed(self) -> Message:

@@ -18,11 +18,13 @@ from server.config import Settings, served_names
 from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
 from server.graphs.base import DTYPES, Graph
-from server.model.artifacts import ArtifactDir, GraphSpec, validate
+from server.model.artifacts import PREPROCESSOR_FILE, ArtifactDir, GraphSpec, validate
 from server.model.embedding import HostEmbedding
 from server.model.structure import ModelStructure
 from server.model.tokenizer import HostTokenizer
 from server.protocol import ChatProtocol, protocol_of
+from server.vision.load import VisionPlan, media_tokens, model_config, plan_vision
+from server.vision.reader import ImageReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class Host:
     chat: bool = True  # False: a base model (it completes text); told to the API, which tells the user
     description: str | None = None
     aliases: tuple[str, ...] = ()  # the other names --served-model-name lists (model_name is the first)
+    vision: VisionPlan = VisionPlan("off", reason="this is a text-only model")  # which encoder reads images
+    images: ImageReader | None = None  # what the API reads image parts with (None: images are a 400)
 
     @property
     def max_total(self) -> int:
@@ -51,7 +55,8 @@ class Host:
         return ModelInfo(name=self.model_name, max_total=self.max_total, vocab_size=self.structure.vocab_size,
                          generation_defaults=self.structure.generation_defaults, tokenizer=self.tokenizer,
                          stop_token_ids=self.stop_token_ids, protocol=self.protocol, grammar=self.grammar,
-                         chat=self.chat, description=self.description, aliases=self.aliases)
+                         chat=self.chat, description=self.description, aliases=self.aliases, images=self.images,
+                         images_off=self.vision.reason or "this server takes no images")
 
 
 def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: ChatProtocol) -> tuple[int, ...]:
@@ -65,10 +70,11 @@ def stop_ids(structure: ModelStructure, tokenizer: HostTokenizer, protocol: Chat
 
 
 def load_host(root: Path | str, graph: str = "auto", served_model_name: str | None = None, cache_dir: Path | None = None,
-              *, chat: bool = True, description: str | None = None) -> Host:
+              *, chat: bool = True, description: str | None = None, settings: Settings | None = None) -> Host:
     """served_model_name: one name or a comma-separated list (the first is the id, the others aliases). cache_dir: where
     start-up caches live (None: derive everything, write nothing). `chat` and `description`: what the caller knows
-    about the model that its files do not say (a base model's GGUF looks like any other)."""
+    about the model that its files do not say (a base model's GGUF looks like any other). `settings`: the image
+    settings (--vision and its limits); None: images off."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)
     spec = art.graph_spec()
@@ -81,9 +87,25 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     stops = stop_ids(structure, tokenizer, protocol)
     grammar = VocabLoader(functools.partial(_grammar_vocab, tokenizer, structure.vocab_size, stops, cache_dir,
                                             art.cfg / "tokenizer.json"))
+    vision, images = _vision(art, kind, spec, tokenizer, settings)
     names = served_names(served_model_name) if served_model_name else (art.model_name(),)
     return Host(art, kind, spec, structure, tokenizer, embedding, names[0], protocol, stops, grammar, chat, description,
-                names[1:])
+                names[1:], vision, images)
+
+
+def _vision(art: ArtifactDir, kind: str, spec: GraphSpec, tokenizer: HostTokenizer,
+            settings: Settings | None) -> tuple[VisionPlan, ImageReader | None]:
+    """--vision resolved (server.vision.load), and the image reader the API is given when images are on."""
+    if settings is None or settings.vision == "off":
+        return VisionPlan("off", reason="images are off on this server (--vision off)"), None
+    plan = plan_vision(settings.vision, art, kind, spec, DTYPES[spec.input_dtype])
+    if plan.mode == "off":
+        return plan, None
+    reader = ImageReader(art.cfg / PREPROCESSOR_FILE, tokens=media_tokens(model_config(art), tokenizer),
+                         budgets=plan.budgets, default_budget=settings.image_tokens,
+                         max_images=settings.max_images_per_request, max_bytes=settings.max_image_bytes,
+                         max_pixels=settings.max_image_pixels, allow_urls=settings.allow_image_urls)
+    return plan, reader
 
 
 def _grammar_vocab(tokenizer: HostTokenizer, vocab_size: int, stops: tuple[int, ...], cache_dir: Path | None,
@@ -143,4 +165,4 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
                   load or graph_loader(host, settings.device, settings.null_step_ms / 1000, settings.max_batch),
                   max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
                   step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
-                  constraints=host.grammar.matcher, max_batch=settings.max_batch)
+                  constraints=host.grammar.matcher, max_batch=settings.max_batch, load_vision=host.vision.load)

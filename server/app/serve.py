@@ -89,11 +89,12 @@ def serve(settings: Settings, listener: socket.socket | None = None, *, chat: bo
         from server.api.app import create_app
         from server.app.page import chat_page_html
         from server.app.runtime import build_engine, load_host
+        from server.vision.load import VisionUnavailable
 
         try:
             host = load_host(settings.artifacts, settings.graph, settings.served_model_name, settings.cache_dir,
-                             chat=chat, description=description)
-        except ArtifactError as exc:
+                             chat=chat, description=description, settings=settings)
+        except (ArtifactError, VisionUnavailable) as exc:
             print(f"error: {exc}", file=sys.stderr)
             listener.close()
             return 1

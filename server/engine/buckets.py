@@ -4,6 +4,10 @@ A compiled graph takes T = one of its buckets (or 1) and a shorter chunk is padd
 holds it. Covering n tokens costs one call per chunk and pads whatever the buckets hold beyond n; a call costs
 far more than a padded row, so the plan takes the fewest calls, then the least padding. Only the last chunk is
 padded (every other chunk fills its bucket exactly).
+
+Image blocks (issue 27): an image's soft tokens attend to each other both ways, so one image is always inside one
+graph call. `chunk_spans(..., blocks=...)` moves any boundary the plan would put inside a block back to the block's
+start and plans the rest from there: one call more at most per image crossed, never a block split.
 """
 
 from __future__ import annotations
@@ -59,7 +63,27 @@ def plan_chunks(count: int, buckets: Sequence[int]) -> list[int]:
     return list(_plan(count, tuple(sorted(set(buckets)))))
 
 
-def chunk_spans(start: int, stop: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
-    """[begin, end) spans covering positions start..stop-1, planned by `plan_chunks`."""
-    bounds = list(itertools.accumulate(plan_chunks(stop - start, buckets), initial=start))
-    return list(itertools.pairwise(bounds))
+def chunk_spans(start: int, stop: int, buckets: Sequence[int],
+                blocks: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """[begin, end) spans covering positions start..stop-1, planned by `plan_chunks`, none splitting a `blocks` span
+    ([begin, end) positions that must be in one call; ValueError for one longer than the largest bucket)."""
+    spans: list[tuple[int, int]] = []
+    begin = start
+    while begin < stop:
+        bounds = list(itertools.accumulate(plan_chunks(stop - begin, buckets), initial=begin))
+        planned = list(itertools.pairwise(bounds))
+        for index, (_, end) in enumerate(planned):
+            cut = next((a for a, b in blocks if a < end < b), None)
+            if cut is None:
+                continue
+            chunk_begin = planned[index][0]
+            if cut <= chunk_begin and index == 0:  # the plan's first chunk is its largest: the block holds more
+                raise ValueError(f"an image block [{cut}, {next(b for a, b in blocks if a == cut)}) is longer than the "
+                                 f"largest prefill chunk ({max(buckets)})")
+            spans += planned[:index] if cut <= chunk_begin else [*planned[:index], (chunk_begin, cut)]
+            begin = max(cut, chunk_begin)
+            break
+        else:
+            spans += planned
+            begin = stop
+    return spans

@@ -47,8 +47,9 @@ from server.engine.types import (
     QueueFull,
     RequestHandle,
     TokenLogprob,
+    prompt_keys,
 )
-from server.graphs.base import Graph
+from server.graphs.base import Graph, VisionEncoder
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.model.embedding import HostEmbedding
 from server.sampling.params import TokenConstraint
@@ -71,11 +72,13 @@ class Engine:
     def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
                  load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
                  step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
-                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None, max_batch: int = 0) -> None:
+                 constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None, max_batch: int = 0,
+                 load_vision: Callable[[], VisionEncoder] | None = None) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._load_graph = load_graph
+        self._load_vision = load_vision  # the image encoder (None: a text-only server), loaded with the graph
         self._on_loaded = on_loaded  # process-wide policy once the graph is in (see server.app.process)
         self._constraints = constraints  # a request's constraint (a value) -> a fresh matcher for one run
         self.graph: Graph | None = None
@@ -204,10 +207,11 @@ class Engine:
         last: dict[tuple[int, ...], RequestHandle] = {}
         after = {}
         for handle in handles:
-            before = last.get(handle.request.prompt_ids)
+            key = prompt_keys(handle.request)  # the images' content too: the same ids with other images differ
+            before = last.get(key)
             if before is not None:
                 after[handle] = before
-            last[handle.request.prompt_ids] = handle
+            last[key] = handle
         with self._cond:
             if len(self._live) + len(handles) > self.max_queue:
                 raise QueueFull(self.max_queue)
@@ -298,6 +302,7 @@ class Engine:
         """Load the graph and what drives it; a failure is reported on /health, never raised into the void."""
         try:
             self.graph = graph = self._load_graph()
+            vision = self._load_vision() if self._load_vision is not None else None
             if self._on_loaded is not None:
                 self._on_loaded()
             slots = slot_graph(graph)
@@ -307,7 +312,7 @@ class Engine:
             self._settled.set()
             return False
         self.capacity = min(slots.slots, max(slots.decode_batches), self.max_batch or slots.slots)
-        self._runner = Runner(slots, self.embedding, self._cond, self._watch, graph.max_total)
+        self._runner = Runner(slots, self.embedding, self._cond, self._watch, graph.max_total, vision)
         self._scheduler = Scheduler(buckets_of(graph), KVSlots(slots.rewind_slot, self.capacity), self.capacity,
                                     prefix_reuse=self.prefix_reuse)
         self._loaded = True
@@ -381,6 +386,11 @@ class Engine:
         graph = self.graph
         assert graph is not None
         request = handle.request
+        longest = max(self._scheduler.buckets)
+        if any(image.soft_tokens > longest for image in request.images):  # one image is one prefill call
+            raise ValueError(f"an image of more soft tokens than the largest prefill chunk ({longest})")
+        if request.images and self._runner.vision is None:
+            raise ValueError("this engine has no vision encoder for the request's images")
         constraint = self._constraint_for(request)
         sampler = Sampler(request.sampling, graph.vocab_size, request.prompt_ids, graph.host_softcap,
                           constraint=constraint, stop_ids=sorted(self.eos_token_ids), min_tokens=request.min_tokens)
@@ -431,7 +441,7 @@ class Engine:
                     return
                 logits = logits[:, -1:]  # [1, 1, V]
                 assert seq.kv is not None
-                seq.kv.keep(seq.handle.request.prompt_ids, logits)
+                seq.kv.keep(seq.prompt_keys, logits)  # [1, 1, V]
                 logits = logits.reshape(1, -1)  # [1, V]
                 if seq.prompt_logprobs is not None:
                     seq.handle.publish(PromptLogprobs(seq.token_ids[0], tuple(seq.prompt_logprobs)))

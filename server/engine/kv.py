@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class KVSlot:
-    """Token ids whose KV one graph slot holds (`tokens[p]` sits at position p), and the kept last-prefill logits."""
+    """Token ids whose KV one graph slot holds (`tokens[p]` sits at position p), and the kept last-prefill logits.
+    At an image's soft tokens `tokens` holds the image's content keys instead (negative ints, server.engine.types
+    .image_key): the same placeholder ids from another image never match."""
 
     __slots__ = ("index", "tokens", "last_used", "_rewind", "_kept")
 
@@ -57,6 +59,11 @@ class KVSlot:
         self._kept = None  # whatever is prefilled next replaces it (and a cancelled prefill leaves none)
         common = _common(self.tokens, ids[:-1]) if prefix_reuse else 0
         return self._truncate(common), None
+
+    def rewind_to(self, position: int) -> int:
+        """Forget positions >= `position` (and the kept logits): where the next prefill starts (<= position)."""
+        self._kept = None
+        return self._truncate(position)
 
     def keep(self, prompt: Sequence[int], logits: torch.Tensor) -> None:
         """Remember a fully prefilled prompt's last logits [1, 1, V] for the same prompt again."""

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from server.engine.buckets import buckets_of
-from server.graphs.base import Graph, OneSlot, SlotGraph
+from server.graphs.base import Graph, OneSlot, SlotGraph, VisionEncoder
 from server.model.embedding import HostEmbedding
 
 if TYPE_CHECKING:
     from server.engine.sequence import Sequence as Seq
+    from server.engine.types import ImageInput
 
 
 class Abandoned(Exception):
@@ -76,9 +77,10 @@ class Runner:
     """One graph call per method: `prefill` (one chunk of one sequence) and `decode` (one token of each row)."""
 
     def __init__(self, graph: SlotGraph, embedding: HostEmbedding, lock: threading.Condition, watch: DeviceWatch,
-                 max_total: int) -> None:
+                 max_total: int, vision: VisionEncoder | None = None) -> None:
         self.graph = graph
         self.embedding = embedding
+        self.vision = vision  # encodes a prompt's images, on this (the device) thread, right before their chunk
         self._lock = lock
         self._watch = watch
         self._positions = [torch.tensor([[p]]) for p in range(max_total)]  # [1, 1] each: the one-row fast path
@@ -91,10 +93,35 @@ class Runner:
         chunk = seq.token_ids[begin:end]
         embeds = self.embedding.lookup(chunk)  # [1, T, H]
         positions = torch.arange(begin, end).unsqueeze(0)  # [1, T]
+        images = [image for image in seq.handle.request.images if begin <= image.offset < end]
+        blocks: dict[str, torch.Tensor] = {}
+        if images:
+            embeds, blocks["block_ids"] = self._splice(embeds, begin, end, images)
         logits = self._call((seq,), lambda submit: self.graph.prefill(embeds, positions, kv.index, last_only=last,
-                                                                      on_submit=submit))
-        kv.tokens.extend(chunk)
+                                                                      on_submit=submit, **blocks))
+        kv.tokens.extend(seq.prompt_keys[begin:end])  # a prefill chunk is always of the prompt
         return logits
+
+    def _splice(self, embeds: torch.Tensor, begin: int, end: int,
+                images: Sequence[ImageInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images' soft tokens written over their placeholder rows of `embeds` [1, T, H], and the chunk's block ids
+        [1, T] (0 on text, image i of the chunk: i + 1), as server.graphs.base's image-block contract says."""
+        if self.vision is None:
+            raise RuntimeError("a prompt with images reached an engine without a vision encoder")
+        embeds = embeds.clone()
+        block_ids = torch.zeros(1, end - begin, dtype=torch.int64)  # [1, T]
+        for number, image in enumerate(images, start=1):
+            first, last = image.span
+            assert last <= end, "an image block straddles two prefill chunks (the plan keeps them whole)"
+            pixels = torch.from_numpy(image.pixel_values).unsqueeze(0)  # [1, P, D]
+            patches = torch.from_numpy(image.position_ids).unsqueeze(0)  # [1, P, 2]
+            soft = self.vision.encode(pixels, patches, image.budget)  # [N, H]
+            if soft.shape[0] != image.soft_tokens:
+                raise RuntimeError(f"the vision encoder gave {soft.shape[0]} soft tokens for an image the processor "
+                                   f"counted {image.soft_tokens}")
+            embeds[0, first - begin : last - begin] = soft.to(embeds.dtype)
+            block_ids[0, first - begin : last - begin] = number
+        return embeds, block_ids
 
     def decode(self, rows: Sequence[Seq], on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         """Each row's last token into its slot at its next position: logits [B, V]. `on_submit` publishes the previous

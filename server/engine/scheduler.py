@@ -11,7 +11,8 @@ prefill chunk of a newcomer, or one decode step over every running sequence that
 - A decode step takes every decoding sequence in admission order; the graph runs the smallest compiled batch that
   holds them (server.graphs.base).
 - Prefill is planned once, when the sequence is admitted (server.engine.buckets); the engine checks for
-  cancellation between any two graph calls of a prompt.
+  cancellation between any two graph calls of a prompt. An image's soft tokens are in one chunk: the plan never
+  splits them, and a cached prefix that would end inside an image is cut back to the image's start.
 A one-slot graph has capacity 1: one sequence prefills, then decodes, as it always did.
 """
 
@@ -78,13 +79,17 @@ class Scheduler:
         """Admit `seq` into a free slot: what the slot holds of its prompt is kept, the rest planned into chunks.
         Returns the kept logits [1, 1, V] when the whole prompt is cached with them (it decodes at once)."""
         assert self.has_room, "admitted beyond the free slots"
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        prompt = seq.prompt_keys
         # A request for the prompt's logprobs prefills all of it: the cache keeps KV, not the logits they come from.
         reuse = self.prefix_reuse and seq.prompt_logprobs is None
         kv = self.slots.choose(prompt, reuse)
         start, kept = kv.reuse(prompt, reuse)
+        blocks = seq.image_blocks
+        inside = next((begin for begin, end in blocks if begin < start < end), None)
+        if inside is not None:  # the graph can continue only mid-image (a rewind): the whole image again
+            start, kept = kv.rewind_to(inside), None
         seq.kv, seq.reused_tokens = kv, start
-        seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets))
+        seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets, blocks))
         self.running.append(seq)
         if seq.chunks:
             self._prefilling.append(seq)

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob
+from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob, prompt_keys
 
 if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
     from server.engine.kv import KVSlot
@@ -40,7 +40,7 @@ def finish_event(handle: RequestHandle, reason: str, prompt_tokens: int, complet
 class Sequence:
     """One running request: ids, sampler, detokenizer, stop matcher, constraint, budget, counters, deadline."""
 
-    __slots__ = ("handle", "token_ids", "num_prompt_tokens", "sampler", "constraint", "budget", "deadline",
+    __slots__ = ("handle", "token_ids", "prompt_keys", "num_prompt_tokens", "sampler", "constraint", "budget", "deadline",
                  "generated", "ttft_s", "reused_tokens", "prefill_calls", "graph_calls", "device_s", "pending", "reason",
                  "error", "grammar_done", "kv", "chunks", "prompt_logprobs", "_detok", "_stops", "_eos_ids", "_ignore_eos")
 
@@ -50,6 +50,9 @@ class Sequence:
         self.handle = handle
         self.token_ids = list(request.prompt_ids)  # the prompt, then each generated token
         self.num_prompt_tokens = len(self.token_ids)
+        # What the KV cache holds at each prompt position: token ids, and at an image's soft tokens its content key
+        # (server.engine.types.prompt_keys): prefix reuse compares these, never the placeholder ids alone.
+        self.prompt_keys = prompt_keys(request)
         self.sampler = sampler
         self.constraint = constraint  # advanced here, token by token; the sampler only reads its mask
         self.budget = budget  # max new tokens, within the context
@@ -110,6 +113,11 @@ class Sequence:
         delta, self.pending = self.pending, None
         if delta is not None:
             self.handle.publish(delta)
+
+    @property
+    def image_blocks(self) -> list[tuple[int, int]]:
+        """Prompt spans [begin, end) that one prefill call must hold whole: the images' soft tokens."""
+        return [image.span for image in self.handle.request.images]
 
     @property
     def decoding(self) -> bool:

@@ -12,13 +12,48 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from server.constraints.constraint import ConstraintSpec
     from server.constraints.thought import ThoughtBudget
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageInput:
+    """One image of a prompt, as the image processor prepared it for the vision encoder (server.vision), torch-free:
+    its soft tokens sit at prompt positions [offset, offset + soft_tokens), ids the model's image token. `digest` is
+    the content hash of exactly what the encoder reads (pixels, patch positions, budget): the KV cache's key for
+    those positions, so the same image re-sent reuses its KV and another image behind the same ids never does."""
+
+    digest: bytes
+    budget: int  # the processor's max_soft_tokens for it
+    soft_tokens: int  # the processor's count for this image (it depends on the aspect ratio)
+    pixel_values: Any = field(compare=False, repr=False)  # numpy float32 [P, D] patches (P = budget * k^2, padded)
+    position_ids: Any = field(compare=False, repr=False)  # numpy int64 [P, 2] patch (x, y); (-1, -1) on padding
+    offset: int = 0  # the prompt position of its first soft token (set once the prompt is tokenized)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.offset, self.offset + self.soft_tokens
+
+
+def image_key(digest: bytes, index: int) -> int:
+    """The KV cache's key for soft token `index` of an image: a negative int, so it never equals a token id."""
+    return -((int.from_bytes(digest[:8], "big") << 12) | index) - 1
+
+
+def prompt_keys(request: GenerationRequest) -> tuple[int, ...]:
+    """What the KV cache holds at each prompt position: the token id, or an image's key at its soft tokens."""
+    if not request.images:
+        return request.prompt_ids
+    keys = list(request.prompt_ids)
+    for image in request.images:
+        begin, end = image.span
+        keys[begin:end] = [image_key(image.digest, i) for i in range(end - begin)]
+    return tuple(keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +77,7 @@ class GenerationRequest:
     # k best alternatives, from the prefill's logits at every prompt position. Such a request prefills its whole
     # prompt (a cached prefix has no logits to give); max_new_tokens may then be 0 (the prompt alone is scored).
     prompt_logprobs: int | None = None
+    images: tuple[ImageInput, ...] = ()  # in prompt order, their spans inside prompt_ids (the engine encodes them)
 
 
 @dataclass(frozen=True, slots=True)

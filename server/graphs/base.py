@@ -89,9 +89,11 @@ class OneSlot:
     rewind: Callable[[int], int]
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         checked_slots([slot], 1)
-        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
+        # block_ids only when there are images: a text-only graph's forward need not know the keyword
+        blocks = {} if block_ids is None else {"block_ids": block_ids}
+        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit, **blocks)  # [1, T, V]
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
                on_submit: Callable[[], None] | None = None) -> torch.Tensor:

@@ -10,6 +10,11 @@ B rows runs them one after another, each on its own cache at its own position: t
 step over caches at different positions (a padded batch cache would again feed pads to the sliding ring), so the
 demo interleaves users token by token; what it saves is nothing, what it gives is that no user waits for another's
 whole answer. With one slot it is the one-slot graph it always was.
+
+Images (issue 27, the image-block contract of server.graphs.base): a prefill with `block_ids` gets the masks
+transformers' own Gemma-4 builds for its image blocks (`create_masks_for_vision_model`: causal on full layers; on
+sliding layers causal or same-block, within the window), from per-slot group ids over absolute positions: the mask
+reads them by position, so a later chunk still sees which earlier positions were which image.
 """
 
 from __future__ import annotations
@@ -45,29 +50,50 @@ class HFGraph:
         self.decode_batches = tuple(range(1, slots + 1))  # any number of rows: they run one after another
         self.caches = [StaticCache(config=self.model.config, max_cache_len=spec.max_total) for _ in range(slots)]
         self.positions = [0] * slots  # per slot: the next position its cache writes
+        # per slot, per position: the image block it belongs to (-1: text), as transformers' block_sequence_ids
+        self.groups = [torch.full((1, spec.max_total), -1, dtype=torch.int64) for _ in range(slots)]
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit)
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit, block_ids=block_ids)
 
     def rewind(self, position: int) -> int:
         return self.rewind_slot(0, position)
 
     @torch.inference_mode()
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         checked_slots([slot], self.slots)
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
         assert 1 <= t <= self.prefill_bucket, f"chunk of {t} tokens, bucket is {self.prefill_bucket}"
         assert int(positions[0, 0]) == self.positions[slot], "the static cache writes sequentially: rewind first"
         assert self.positions[slot] + t <= self.max_total, "beyond max_total"
         embeds, positions = embeds.to(self.device, self.input_dtype), positions.to(self.device)
+        masks = None if block_ids is None else self._block_masks(slot, embeds, positions, block_ids)
         if on_submit is not None:
             on_submit()
         out = self.model(inputs_embeds=embeds, position_ids=positions, cache=self.caches[slot], use_cache=True,
-                         logits_to_keep=1 if last_only else 0)
+                         logits_to_keep=1 if last_only else 0, attention_mask=masks)
         self.positions[slot] += t
         return out.logits.float().cpu()  # [1, T, V]
+
+    def _block_masks(self, slot: int, embeds: torch.Tensor, positions: torch.Tensor,
+                     block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """transformers' Gemma-4 masks for a chunk holding image blocks (block_ids [1, T]: 0 text, i > 0 image i)."""
+        from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model
+
+        begin, t = self.positions[slot], embeds.shape[1]
+        groups = self.groups[slot]  # [1, MAX]
+        ids = block_ids[0].to(torch.int64)  # [T]
+        chunk = torch.full((t,), -1, dtype=torch.int64)
+        for number in ids.unique().tolist():
+            if number > 0:
+                where = (ids == number).nonzero().flatten()
+                chunk[where] = begin + int(where[0])  # a group id unique in the slot: its first position
+        groups[0, begin : begin + t] = chunk
+        return create_masks_for_vision_model(config=self.model.config.get_text_config(), inputs_embeds=embeds,
+                                             attention_mask=None, cache=self.caches[slot], position_ids=positions,
+                                             block_sequence_ids=groups[:, : begin + t])
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
@@ -84,10 +110,12 @@ class HFGraph:
         cache, written = self.caches[slot], self.positions[slot]
         if position >= written:
             return written
+        self.groups[slot][0, position:] = -1
         layers = getattr(cache, "layers", [])
         wrapped = any(getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len for layer in layers)
         if wrapped or not layers:
             cache.reset()
+            self.groups[slot].fill_(-1)
             self.positions[slot] = 0
             return 0
         for layer in layers:

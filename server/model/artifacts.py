@@ -9,7 +9,10 @@ ARTIFACTS/
   weights/         v2 --weights separate: tp{rank}_sharded_checkpoint.safetensors, one per rank
   vision.pt        --vision: the vision tower's graph (vision_neff.pt on Neuron); weights/vision/ its per-rank files
   hf/              optional: a transformers checkpoint for the reference graph
+  vision.safetensors  optional (`export --vision host`): the vision tower + embed_vision, for `serve --vision host`
 ```
+
+cfg/preprocessor_config.json (the image processor's settings) is there whenever the model reads images.
 
 torch is imported lazily: `check` must answer fast inside the container entrypoint.
 """
@@ -29,13 +32,16 @@ GRAPH_JSON = "graph.json"
 EMBED_FILES = ("embed_tokens.pt", "embed_tokens.safetensors")
 GRAPH_FILES = ("sqz_neff.pt", "model.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+VISION_FILE = "vision.safetensors"  # the host encoder's weights: vision_tower.* and embed_vision.* (issue 27)
+PREPROCESSOR_FILE = "preprocessor_config.json"  # in cfg/: the image processor's settings
 CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write slots and masks
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
 CONTRACT_V3 = "gemma4-optb/v3"  # v2 with S KV slots (slot ids in) and decode graphs over several rows
 CONTRACTS = (CONTRACT, CONTRACT_V2, CONTRACT_V3)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
 ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors",
-                  "vision.pt", "vision_neff.pt", "weights/vision/*.safetensors")  # the --vision tower's graph
+                  "vision.pt", "vision_neff.pt", "weights/vision/*.safetensors",  # the --vision tower's graph
+                  VISION_FILE)  # export --vision host: the tower for the host encoder
 DEFAULT_REPO = "xbill9/gemma-4-26B-A4B-it-inferentia2-xlarge"
 
 _HOW_TO_GET = (
@@ -209,6 +215,12 @@ class ArtifactDir:
     @property
     def hf(self) -> Path:
         return self.root / HF_DIR
+
+    @property
+    def vision_file(self) -> Path | None:
+        """The host vision encoder's weights (`export --vision host`), when the export kept them."""
+        path = self.root / VISION_FILE
+        return path if path.is_file() else None
 
     @property
     def embed_file(self) -> Path | None:

@@ -1,6 +1,8 @@
 """`python -m server export`: a transformers checkpoint directory or a `.gguf` file -> an artifact dir for `--graph hf`.
 
-Writes cfg/ (config, generation config, tokenizer, chat template), embed_tokens.pt, hf/ and graph.json.
+Writes cfg/ (config, generation config, tokenizer, chat template, and the image processor's preprocessor_config.json
+when the model reads images), embed_tokens.pt, hf/ and graph.json; with `vision="host"` also vision.safetensors (the
+vision tower and its projection, what `serve --vision host` runs on the CPU).
 Reading a GGUF through transformers takes ~15 s (SmolLM2 135M) to ~35 s (Gemma-3 270M, whose 262k-token vocabulary
 the GGUF reader parses slowly: once here, not three times, see `_one_gguf_parse`) and `save_pretrained` refuses a
 GGUF-loaded model, so we build a fresh model from its config, give it the state dict, and save that: it reloads in
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from server.graphs.base import DTYPES
-from server.model.artifacts import CFG_DIR, GRAPH_JSON, HF_DIR, GraphSpec
+from server.model.artifacts import CFG_DIR, GRAPH_JSON, HF_DIR, PREPROCESSOR_FILE, VISION_FILE, GraphSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,24 @@ def _add_turn_end_eos(generation: object, tokenizer: object, template: str | Non
              and (template is None or text in template)]
     if added:
         generation.eos_token_id = [*ids, *added]  # type: ignore[attr-defined]
+
+
+def _vision_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module] | None:
+    """The modules transformers' Gemma-4 runs on an image (`get_image_features`): the tower, then `embed_vision`'s
+    projection into the language model's width. None for a model that reads no images."""
+    inner = getattr(model, "model", None)
+    tower, embed = getattr(inner, "vision_tower", None), getattr(inner, "embed_vision", None)
+    return None if tower is None or embed is None else {"vision_tower": tower, "embed_vision": embed}
+
+
+def _save_vision(modules: Mapping[str, torch.nn.Module], path: Path, dtype: torch.dtype) -> None:
+    """One safetensors file, keys `vision_tower.*` and `embed_vision.*` (the modules' own state dicts, buffers
+    included): what server.vision.host loads into the same transformers modules."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{prefix}.{key}": value.detach().to(dtype if value.is_floating_point() else value.dtype).contiguous()
+               for prefix, module in modules.items() for key, value in module.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 @contextmanager
@@ -108,9 +128,10 @@ def logged_step(number: int, total: int, what: str, every_s: float = _HEARTBEAT_
 
 
 def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, max_total: int = 512,
-           dtype: str = "float32", sampling: Mapping[str, Any] | None = None) -> Path:
+           dtype: str = "float32", sampling: Mapping[str, Any] | None = None, vision: str = "off") -> Path:
     """`sampling`: generation-config fields to write (e.g. a model card's recommended temperature), which the server
-    takes as defaults for requests that leave them unset; a GGUF carries none."""
+    takes as defaults for requests that leave them unset; a GGUF carries none. `vision`: "host" also writes the
+    vision tower's weights (a model without one is refused), "off" leaves them out (the text-only export)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     source, dest = Path(source), Path(dest)
@@ -141,6 +162,12 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
     else:
         raise FileNotFoundError(f"{source}: expected a transformers checkpoint directory or a .gguf file")
     model.eval()
+    if vision not in ("off", "host"):
+        raise ValueError(f"vision must be 'off' or 'host', got {vision!r}")
+    towers = _vision_modules(model)
+    if vision == "host" and towers is None:
+        raise ValueError(f"{source}: --vision host needs a model with a vision tower (vision_tower + embed_vision); "
+                         "this one has none")
 
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -163,6 +190,11 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
             (cfg / "chat_template.jinja").write_text(template, encoding="utf-8")
         table = model.get_input_embeddings().weight.detach().to(torch_dtype).contiguous()  # [V, H]
         torch.save(table.clone(), staging / "embed_tokens.pt")
+        preprocessor = source / PREPROCESSOR_FILE if source.is_dir() else None
+        if towers is not None and preprocessor is not None and preprocessor.is_file():
+            shutil.copyfile(preprocessor, cfg / PREPROCESSOR_FILE)  # the image processor's settings, for the host
+        if vision == "host" and towers is not None:
+            _save_vision(towers, staging / VISION_FILE, torch_dtype)
         (staging / GRAPH_JSON).write_text(json.dumps(spec.to_json(), indent=2) + "\n", encoding="utf-8")
 
     if dest.exists():

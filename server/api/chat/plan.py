@@ -12,7 +12,7 @@ from typing import Protocol
 from server.api.schemas import ChatCompletionRequest
 from server.constraints.constraint import ConstraintSpec
 from server.constraints.thought import ThoughtBudget
-from server.engine.types import RequestHandle, SamplingParams
+from server.engine.types import ImageInput, RequestHandle, SamplingParams
 from server.protocol import OutputParser, PromptInputs
 
 
@@ -28,6 +28,7 @@ class ChatPlan:
     new_parser: Callable[[], OutputParser]
     keep_special_tokens: bool
     thought_budget: ThoughtBudget | None = None  # the thought's cap (None: none, or thinking is off)
+    images: tuple[ImageInput, ...] = ()  # read and placed (offsets in ids): the engine encodes them
 
 
 class ChatPlanner(Protocol):

@@ -10,13 +10,15 @@ import functools
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
 from jinja2 import TemplateError
 
-from server.api.given import ModelInfo
-from server.api.schemas import ChatCompletionRequest, Message, Tool
+from server.api.given import ImageReader, ModelInfo
+from server.api.schemas import IMAGE_MARK, ChatCompletionRequest, Message, Tool
+from server.engine.types import ImageInput
 from server.errors import APIError, InvalidRequest
 from server.protocol import ChatProtocol, PromptInputs
 
@@ -71,6 +73,10 @@ class Prompts:
                        add_special_tokens: bool = False, *, tools: Sequence[Tool] | None = None,
                        chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """A conversation's ids as a chat request with these messages, tools and template variables renders them."""
+        with_images = next((index for index, message in enumerate(messages) if message.images), None)
+        if with_images is not None:
+            raise APIError(400, f"messages[{with_images}].content: image parts are not supported here (only text is "
+                           "tokenized)", param=f"messages[{with_images}].content", code="invalid_value")
         render = functools.partial(self._prompt, messages, tools, chat_template_kwargs, None,
                                    add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens)
         ids, _ = await anyio.to_thread.run_sync(render)
@@ -83,16 +89,65 @@ class Prompts:
     async def decode(self, ids: Sequence[int]) -> str:
         return await anyio.to_thread.run_sync(self.tokenizer.decode, ids)
 
-    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
-        """A chat request's prompt through the model's protocol (tools, thinking, tool messages) and template."""
-        return await anyio.to_thread.run_sync(self._chat_prompt, body)
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs, tuple[ImageInput, ...]]:
+        """A chat request's prompt through the model's protocol (tools, thinking, tool messages) and template, and its
+        images, read and placed (their soft tokens' offsets in the ids)."""
+        images = await self.read_images(body.messages)
+        ids, inputs = await anyio.to_thread.run_sync(self._chat_prompt, body, images)
+        return ids, inputs, self._placed(ids, images)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], PromptInputs]:
-        return self._prompt(body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
+    async def read_images(self, messages: Sequence[Message]) -> list[ImageInput]:
+        """Every image part of `messages`, decoded and prepared at its budget (on a worker thread: a large photo
+        takes a while), or a 400 naming the part."""
+        refs = [(index, ref) for index, message in enumerate(messages) for ref in message.images]
+        if not refs:
+            return []
+        reader = self.model.images
+        if reader is None:
+            index, ref = refs[0]
+            raise APIError(400, f"messages[{index}].content: text-only model: content part {ref.part} has type "
+                           f"'image_url' ({self.model.images_off})", param=f"messages[{index}].content",
+                           code="invalid_value")
+        if len(refs) > reader.max_images:
+            raise APIError(400, f"messages: {len(refs)} images; this server takes at most {reader.max_images} per "
+                           "request (--max-images-per-request)", param="messages", code="invalid_value")
+        images = []
+        for index, ref in refs:
+            param = f"messages[{index}].content[{ref.part}]"
+            try:
+                images.append(await anyio.to_thread.run_sync(reader.read, ref.url, reader.budget(ref.detail)))
+            except ValueError as exc:
+                raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+        return images
+
+    def _placed(self, ids: list[int], images: Sequence[ImageInput]) -> tuple[ImageInput, ...]:
+        """The images with their offsets: the runs of the image token in `ids`, which must be theirs exactly (a text
+        that holds the image token itself would put soft tokens where no image is)."""
+        if not images:
+            return ()
+        reader = self.model.images
+        assert reader is not None
+        (token,) = self.tokenizer.encode(reader.image_token, add_special_tokens=False)
+        runs: list[tuple[int, int]] = []
+        for position, token_id in enumerate(ids):
+            if token_id == token:
+                if runs and runs[-1][1] == position:
+                    runs[-1] = (runs[-1][0], position + 1)
+                else:
+                    runs.append((position, position + 1))
+        if [end - begin for begin, end in runs] != [image.soft_tokens for image in images]:
+            raise APIError(400, "messages: the text holds the model's image token itself; send images as image_url "
+                           "parts", param="messages", code="invalid_value")
+        return tuple(replace(image, offset=begin) for image, (begin, _) in zip(images, runs, strict=True))
+
+    def _chat_prompt(self, body: ChatCompletionRequest,
+                     images: Sequence[ImageInput] = ()) -> tuple[list[int], PromptInputs]:
+        return self._prompt(body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort, images=images)
 
     def _prompt(self, messages: Sequence[Message], tools: Sequence[Tool] | None,
                 chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None, *,
-                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> tuple[list[int], PromptInputs]:
+                add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                images: Sequence[ImageInput] = ()) -> tuple[list[int], PromptInputs]:
         """The one rendering of a conversation (chat, the Responses API, /tokenize, /generate): the model's protocol
         (tools, thinking, tool messages), then its template."""
         declared = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
@@ -103,13 +158,14 @@ class Prompts:
         except InvalidRequest as exc:
             raise invalid(exc.message, exc.param) from None
         ids = self._render(inputs.messages, add_generation_prompt, add_special_tokens, tools=inputs.tools,
-                           **inputs.template_kwargs)
+                           images=images, **inputs.template_kwargs)
         return ids, inputs
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
-                **template: Any) -> list[int]:
+                images: Sequence[ImageInput] = (), **template: Any) -> list[int]:
         """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
-        special tokens again: the template writes BOS itself."""
+        special tokens again: the template writes BOS itself. Each image's mark in the text becomes its tokens, as
+        Gemma4Processor expands its image token: begin-of-image, one image token per soft token, end-of-image."""
         if not self.protocol.supports_tools:
             # A plain template knows only text turns: an assistant turn without text is an empty one.
             conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
@@ -125,6 +181,8 @@ class Prompts:
             raise APIError(400, "messages: the chat template cannot render them: their JSON (tool-call arguments, tool "
                            "results or tool schemas) is nested too deeply", param="messages",
                            code="invalid_value") from None
+        if images:
+            text = _expanded(text, images, self.model.images)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _token_info(self, token_id: int) -> tuple[str, list[int]]:
@@ -133,6 +191,15 @@ class Prompts:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
         return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
+
+
+def _expanded(text: str, images: Sequence[ImageInput], reader: ImageReader | None) -> str:
+    pieces = text.split(IMAGE_MARK)
+    if reader is None or len(pieces) != len(images) + 1:
+        raise APIError(400, "messages: the chat template did not render every image part once", param="messages",
+                       code="invalid_value")
+    return pieces[0] + "".join(reader.expansion(image.soft_tokens) + piece
+                               for image, piece in zip(images, pieces[1:], strict=True))
 
 
 def invalid(message: str, param: str | None) -> APIError:

@@ -120,7 +120,7 @@ class OpenAIRoutes:
         """`ChatPlanner.submit_plan`: chat completions and the Responses API submit a plan here, and only here."""
         return self.submit([plan.ids], body.token_limit, param, n, sampling=plan.sampling, constraint=plan.constraint,
                            stop=body.stop, request_id=request_id, skip_special_tokens=not plan.keep_special_tokens,
-                           thought_budget=plan.thought_budget, **self._eos_fields(body))
+                           thought_budget=plan.thought_budget, images=plan.images, **self._eos_fields(body))
 
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
@@ -177,14 +177,14 @@ class OpenAIRoutes:
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
         sampling = self._sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
-        ids, inputs = await self.prompts.chat_prompt(body)
+        ids, inputs, images = await self.prompts.chat_prompt(body)
         constraint = await self.constraints.plan(body, inputs)
         protocol = self.prompts.protocol
         tool_names = [tool.function["name"] for tool in body.tools or ()]
         parse_tools = bool(tool_names) and body.tool_choice != "none"
         return ChatPlan(model, ids, inputs, sampling, constraint,
                         functools.partial(protocol.parser, tool_names=tool_names, parse_tool_calls=parse_tools),
-                        protocol.keep_special_tokens, self._thought_budget(body, inputs))
+                        protocol.keep_special_tokens, self._thought_budget(body, inputs), images)
 
     def _thought_budget(self, body: ChatCompletionRequest, inputs: PromptInputs) -> ThoughtBudget | None:
         """The thought's cap: the request's reasoning_budget, else its reasoning_effort's, else --reasoning-budget;
@@ -199,7 +199,7 @@ class OpenAIRoutes:
         """`ChatPlanner.prompt_ids`: the model checked and the prompt rendered as `plan_chat` renders it (no sampling
         or constraint planned: a count needs neither, nor the grammar vocabulary)."""
         self.prompts.check_model(body.model)
-        ids, _ = await self.prompts.chat_prompt(body)
+        ids, _, _ = await self.prompts.chat_prompt(body)
         return ids
 
     @staticmethod
@@ -292,7 +292,9 @@ class OpenAIRoutes:
         card = {"id": name or model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
                 "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat,
                 # how many generations run at once (KV slots in use together; 0 while the graph loads)
-                "max_concurrency": self.service.engine.capacity}
+                "max_concurrency": self.service.engine.capacity,
+                # image parts are read (issue 27): the chat page offers to attach one
+                "images": model.images is not None}
         if model.description is not None:
             card["description"] = model.description
         return card

@@ -38,7 +38,11 @@ def listed_item(item: dict[str, Any]) -> dict[str, Any]:
     was sent with, else a new one), text content as parts, `status: "completed"`."""
     listed = {"id": item.get("id") or _new_id(_ID_PREFIXES[item["type"]]), **item, "status": "completed"}
     if item["type"] == "message":
-        if item["role"] == "assistant":
+        if isinstance(item["content"], list):  # with images: the chat parts it was read into, as Responses parts
+            listed["content"] = [{"type": "input_text", "text": part["text"]} if part["type"] == "text" else
+                                 {"type": "input_image", "image_url": part["image_url"]["url"],
+                                  "detail": part["image_url"].get("detail") or "auto"} for part in item["content"]]
+        elif item["role"] == "assistant":
             listed["content"] = [{"type": "output_text", "text": item["content"], "annotations": []}]
         else:
             listed["content"] = [{"type": "input_text", "text": item["content"]}]

@@ -35,6 +35,31 @@ def _text(*allowed: str) -> BeforeValidator:
     return BeforeValidator(text)
 
 
+def _message_content(value: Any) -> Any:
+    """A message item's content: a string, text parts joined as `_text` joins them, or, when it holds `input_image`
+    parts, the chat content parts it means (text and image_url, in order), which the chat path reads."""
+    # (chat parts are taken as they are too: a stored conversation is validated again with its next turn)
+    if not isinstance(value, list) or not any(isinstance(p, dict) and p.get("type") in ("input_image", "image_url")
+                                              for p in value):
+        return _text("input_text", "output_text").func(value)  # type: ignore[attr-defined]
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if part.get("file_id") is not None:
+                raise ValueError(f"content part {index}: file_id is not supported; send the image as image_url (a "
+                                 "data: URL)")
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url"), "detail": part.get("detail")}})
+        elif kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":  # already read (a stored turn)
+            parts.append(part)
+        else:
+            raise ValueError(f"content part {index} has type {kind!r}; only 'input_text', 'output_text' and "
+                             "'input_image' parts are supported")
+    return parts
+
+
 class _Item(BodyPart):
     id: str | None = Field(default=None, max_length=256)  # kept as sent (e.g. this server's output items sent back)
 
@@ -42,7 +67,7 @@ class _Item(BodyPart):
 class MessageItem(_Item):
     type: Literal["message"]
     role: Literal["user", "system", "developer", "assistant"]
-    content: Annotated[str, _text("input_text", "output_text")]
+    content: Annotated[str | list[dict[str, Any]], BeforeValidator(_message_content)]  # a list: with images
 
 
 class FunctionCallItem(_Item):

@@ -1,0 +1,174 @@
+"""A tiny random Gemma-4 that reads images (issue 27), saved like a real checkpoint, and the reference it must match.
+
+- `vision_cfg_dir()`: the Gemma-4-format tokenizer (tests/support/gemma4_tokenizer.py) with Gemma-4's image, audio
+  and video tokens written over the Gemma-3 ids the published tokenizer gives them (`<|image>` 255999 over
+  `<start_of_image>`, `<|image|>` 258880 and `<image|>` 258882 over `<unusedN>`, ...), and named in
+  tokenizer_config.json's `extra_special_tokens`: transformers' Gemma-4 processing reads `image_token`,
+  `boi_token`, `eoi_token` from there.
+- `tiny_vision_checkpoint()`: `Gemma4ForConditionalGeneration` with a two-layer vision tower (patch 16, pooling 3,
+  as the real one) and `use_bidirectional_attention="vision"`, plus that tokenizer and the PIL image processor's
+  preprocessor_config.json (`max_soft_tokens` 70, the smallest it allows).
+- `reference_prompt()` / `reference_generate()`: what transformers itself does with a prompt and images: the
+  processor's expansion of each `<|image|>` into `<|image>` + n soft tokens + `<image|>` (n from the image processor,
+  per image), `mm_token_type_ids` (1 on soft tokens: the bidirectional blocks), `pixel_values`, greedy `generate()`.
+  `Gemma4Processor` itself cannot be built here (it insists on a video processor, whose check imports torchvision,
+  broken beside the CPU torch), so this is the processor's own text expansion, from its parts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tests.support.gemma4_tokenizer import gemma4_cfg_dir
+from tests.support.models import cache_root, tiny_gemma4_config
+
+# Gemma-4's multimodal tokens (ids as in transformers' Gemma4Config defaults) and the Gemma-3 ids they replace.
+MEDIA_TOKENS: dict[str, tuple[int, str]] = {
+    "<|image>": (255999, "boi_token"),  # <start_of_image>
+    "<|audio>": (256000, "boa_token"),  # <end_of_image>
+    "<|image|>": (258880, "image_token"),  # <unused2978>
+    "<|audio|>": (258881, "audio_token"),
+    "<image|>": (258882, "eoi_token"),
+    "<audio|>": (258883, "eoa_token"),
+    "<|video|>": (258884, "video_token"),
+}
+IMAGE_TOKEN, BOI, EOI = "<|image|>", "<|image>", "<image|>"
+IMAGE_TOKEN_ID = MEDIA_TOKENS[IMAGE_TOKEN][0]
+SOFT_TOKENS = 70  # the processor's smallest budget: the fixture's default
+_VERSION = "v1"
+
+
+def vision_cfg_dir(root: Path | None = None) -> Path:
+    """The Gemma-4 tokenizer directory with the media tokens (see the module docstring), built once per cache."""
+    dest = (root or cache_root()) / f"gemma4-vision-tokenizer-{_VERSION}"
+    if (dest / "tokenizer.json").is_file():
+        return dest
+    source = gemma4_cfg_dir(root)
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    data = json.loads((staging / "tokenizer.json").read_text(encoding="utf-8"))
+    by_id = {token["id"]: token for token in data["added_tokens"]}
+    vocab: dict[str, int] = data["model"]["vocab"]
+    for text, (token_id, _) in MEDIA_TOKENS.items():
+        old = by_id[token_id]["content"]
+        by_id[token_id].update(content=text, special=True)
+        vocab.pop(old, None)
+        vocab[text] = token_id
+    (staging / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    config = json.loads((staging / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["extra_special_tokens"] = {name: text for text, (_, name) in MEDIA_TOKENS.items()}
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    staging.rename(dest)
+    return dest
+
+
+def tiny_vision_config(**text_overrides: object) -> Any:
+    from transformers.models.gemma4 import Gemma4Config, Gemma4VisionConfig
+
+    text = tiny_gemma4_config(use_bidirectional_attention="vision", **text_overrides)
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                                position_embedding_size=1024)
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                        boi_token_id=MEDIA_TOKENS[BOI][0], eoi_token_id=MEDIA_TOKENS[EOI][0],
+                        image_token_id=IMAGE_TOKEN_ID, video_token_id=MEDIA_TOKENS["<|video|>"][0],
+                        audio_token_id=MEDIA_TOKENS["<|audio|>"][0], tie_word_embeddings=True)
+
+
+def image_processor(max_soft_tokens: int = SOFT_TOKENS) -> Any:
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(max_soft_tokens=max_soft_tokens, patch_size=16, pooling_kernel_size=3)
+
+
+def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_window: int = 24) -> Path:
+    """Save the tiny vision Gemma-4 + tokenizer + image processor into `dest` (default: the test cache), once.
+    The default window (24) is smaller than an image's soft tokens; a window longer than the tests' prompts lets
+    the hf graph rewind its caches (transformers' sliding ring cannot once it wrapped), for the prefix-reuse tests."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
+
+    dest = dest or cache_root() / f"gemma4-vision-{_VERSION}-{seed}-w{sliding_window}"
+    if (dest / "config.json").is_file():
+        return dest
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(tiny_vision_config(sliding_window=sliding_window)).eval()
+    with torch.no_grad():
+        # As tiny_gemma4_checkpoint: an embedding that matters beside the layers, layer scalars != 1. And a projection
+        # large enough that the soft tokens (and so the block mask among them) move the logits: with seed 1 and 0.2 a
+        # causal-only mask changes the first token of the tests' two-image prompt, and greedy output is not one
+        # token repeated.
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        for index, layer in enumerate(model.model.language_model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.1 * index)
+        model.model.embed_vision.embedding_projection.weight.normal_(0, 0.2)
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    GenerationConfig(bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0).save_pretrained(staging)
+    cfg = vision_cfg_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(cfg / name, staging / name)
+    image_processor().save_pretrained(staging)
+    staging.rename(dest)
+    return dest
+
+
+def random_image(width: int, height: int, seed: int = 0) -> Any:
+    """A PIL RGB image of random pixels (smooth enough to survive resizing differently per seed)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, size=(max(1, height // 8), max(1, width // 8), 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((width, height), Image.Resampling.BILINEAR)
+
+
+def png_bytes(image: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def reference_prompt(text: str, images: list[Any], max_soft_tokens: int = SOFT_TOKENS) -> dict[str, Any]:
+    """transformers' inputs for `text` (one `<|image|>` per image) and `images`: input_ids, mm_token_type_ids,
+    pixel_values, image_position_ids, as Gemma4Processor builds them."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vision_cfg_dir())
+    assert text.count(IMAGE_TOKEN) == len(images)
+    features = image_processor(max_soft_tokens)(images, return_tensors="pt") if images else None
+    pieces = text.split(IMAGE_TOKEN)
+    expanded = pieces[0]
+    for index, piece in enumerate(pieces[1:]):
+        count = int(features["num_soft_tokens_per_image"][index]) if features is not None else 0
+        expanded += BOI + IMAGE_TOKEN * count + EOI + piece
+    ids = torch.tensor([tokenizer.encode(expanded, add_special_tokens=False)])  # [1, T]
+    inputs: dict[str, Any] = {"input_ids": ids, "mm_token_type_ids": (ids == IMAGE_TOKEN_ID).long()}
+    if features is not None:
+        inputs.update(pixel_values=features["pixel_values"], image_position_ids=features["image_position_ids"])
+    return inputs
+
+
+def reference_generate(checkpoint: Path, inputs: dict[str, Any], max_new_tokens: int, *,
+                       bidirectional: bool = True) -> list[int]:
+    """Greedy `generate()` of transformers' own model: the new token ids. `bidirectional=False` drops
+    `mm_token_type_ids`, so the model masks image tokens causally (what a missing block mask would do)."""
+    import torch
+    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    kwargs = dict(inputs)
+    if not bidirectional:
+        kwargs.pop("mm_token_type_ids")
+    with torch.inference_mode():
+        out = model.generate(**kwargs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
