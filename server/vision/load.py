@@ -13,7 +13,6 @@ at start-up; auto: off, logged).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -35,15 +34,17 @@ class VisionUnavailable(ValueError):
 
 
 def vision_graph_budgets(art: ArtifactDir, spec: GraphSpec) -> tuple[int, ...]:
-    """HOOK for the recipe side of issue 27: the soft-token budgets of the compiled vision graph graph.json declares
-    (ascending), or () when it declares none. Until that lands no graph declares one."""
-    return ()
+    """The soft-token budgets of the compiled vision graph graph.json declares (a recipe `--vision` build; ascending),
+    or () when it declares none."""
+    return tuple(sorted(spec.vision.budgets)) if spec.vision is not None else ()
 
 
 def load_vision_graph(art: ArtifactDir, spec: GraphSpec) -> VisionEncoder:
-    """HOOK for the recipe side of issue 27: the compiled vision graph graph.json declares, loaded (on the engine's
-    device thread), answering server.graphs.base.VisionEncoder. Called only when `vision_graph_budgets` is not ()."""
-    raise NotImplementedError("this server drives no compiled vision graph yet (issue 27, the recipe side)")
+    """The compiled vision graph graph.json declares, loaded (on the engine's device thread; server.graphs.vision).
+    Called only when `vision_graph_budgets` is not ()."""
+    from server.graphs.vision import load_vision_graph as load
+
+    return load(art.root, spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +70,8 @@ def graph_takes_blocks(kind: str, spec: GraphSpec) -> bool:
     """Does the language graph of this kind take `block_ids` (the image-block contract, server.graphs.base)?"""
     if kind == "hf":
         return True
-    if kind == "jit":
-        from server.graphs.jit import JitGraph, JitGraphV2, JitGraphV3
-
-        graph = JitGraphV3 if spec.v3 else JitGraphV2 if spec.v2 else JitGraph
-        method = graph.prefill if spec.v3 else graph.forward
-        return "block_ids" in inspect.signature(method).parameters
+    if kind == "jit":  # a recipe --vision build: its prefill graphs take the ids (graph.json `block_ids`)
+        return spec.block_ids
     return False
 
 
