@@ -216,9 +216,10 @@ def test_the_readmes_examples_answer_sensibly_on_the_default_demo(demo: DemoProc
     assert README_EXAMPLES[phrase] in done.stdout.lower(), done.stdout
 
 
-def test_the_messages_api_example_answers_sensibly_on_the_default_demo(demo: DemoProcess) -> None:
-    """docs/api.md's `anthropic` SDK example (the README's Messages API example), run as written."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(encoding="utf-8"), re.DOTALL)
+@pytest.mark.parametrize("doc", ["README.md", "docs/api.md"])
+def test_the_messages_api_example_answers_sensibly_on_the_default_demo(demo: DemoProcess, doc: str) -> None:
+    """The README's `anthropic` SDK example (docs/api.md shows it too), run as written."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(encoding="utf-8"), re.DOTALL)
     (code,) = [block for block in blocks if "client.messages.create" in block]
     done = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8080", demo.url)], capture_output=True,
                           text=True, timeout=180)
