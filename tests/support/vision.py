@@ -7,7 +7,8 @@
   `boi_token`, `eoi_token` from there.
 - `tiny_vision_checkpoint()`: `Gemma4ForConditionalGeneration` with a two-layer vision tower (patch 16, pooling 3,
   as the real one) and `use_bidirectional_attention="vision"`, plus that tokenizer and the PIL image processor's
-  preprocessor_config.json (`max_soft_tokens` 70, the smallest it allows).
+  preprocessor_config.json (`max_soft_tokens` 70, the smallest it allows). `tiny_vision_config()` /
+  `tiny_vision_model()` build it in memory, other text configs and towers too (tests/test_vision_graph.py's).
 - `reference_prompt()` / `reference_generate()`: what transformers itself does with a prompt and images: the
   processor's expansion of each `<|image|>` into `<|image>` + n soft tokens + `<image|>` (n from the image processor,
   per image), `mm_token_type_ids` (1 on soft tokens: the bidirectional blocks), `pixel_values`, greedy `generate()`.
@@ -78,17 +79,42 @@ def vision_cfg_dir(root: Path | None = None) -> Path:
     return dest
 
 
-def tiny_vision_config(**text_overrides: object) -> Any:
+# The tower: two layers, patch 16 and pooling 3 as the real one (the processor's patches are 16 x 16 pixels).
+TOWER: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                             position_embedding_size=1024)
+
+
+def tiny_vision_config(text: dict[str, Any] | None = None, **tower: Any) -> Any:
+    """`Gemma4Config` of the tiny vision Gemma-4: `text` overrides tests/support/models.py's tiny Gemma-4 text config
+    (always with `use_bidirectional_attention="vision"`), `tower` overrides TOWER."""
     from transformers.models.gemma4 import Gemma4Config, Gemma4VisionConfig
 
-    text = tiny_gemma4_config(use_bidirectional_attention="vision", **text_overrides)
-    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
-                                position_embedding_size=1024)
-    return Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
-                        boi_token_id=MEDIA_TOKENS[BOI][0], eoi_token_id=MEDIA_TOKENS[EOI][0],
+    language = tiny_gemma4_config(**{**(text or {}), "use_bidirectional_attention": "vision"})
+    vision = Gemma4VisionConfig(**{**TOWER, **tower})
+    return Gemma4Config(text_config=language.to_dict(), vision_config=vision.to_dict(),
+                        audio_config=None, boi_token_id=MEDIA_TOKENS[BOI][0], eoi_token_id=MEDIA_TOKENS[EOI][0],
                         image_token_id=IMAGE_TOKEN_ID, video_token_id=MEDIA_TOKENS["<|video|>"][0],
                         audio_token_id=MEDIA_TOKENS["<|audio|>"][0], tie_word_embeddings=True)
+
+
+def tiny_vision_model(config: Any, seed: int = 1) -> Any:
+    """A random `Gemma4ForConditionalGeneration` of `config` whose soft tokens matter (see below), in eval mode."""
+    import torch
+    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        # As tiny_gemma4_checkpoint: an embedding that matters beside the layers, layer scalars != 1. And a projection
+        # large enough that the soft tokens (and so the block mask among them) move the logits: with seed 1 and 0.2 a
+        # causal-only mask changes the first token of the tests' two-image prompt, and greedy output is not one
+        # token repeated.
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        for index, layer in enumerate(model.model.language_model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.1 * index)
+        model.model.embed_vision.embedding_projection.weight.normal_(0, 0.2)
+    return model
 
 
 def image_processor(max_soft_tokens: int = SOFT_TOKENS) -> Any:
@@ -106,23 +132,13 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
     f32 reference read the same rows and the same lm_head."""
     import torch
     from transformers import GenerationConfig
-    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
 
     table = "-bf16" if bf16_table else ""
     dest = dest or cache_root() / f"gemma4-vision-{_VERSION}-{seed}-w{sliding_window}{table}"
     if (dest / "config.json").is_file():
         return dest
-    torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(tiny_vision_config(sliding_window=sliding_window)).eval()
+    model = tiny_vision_model(tiny_vision_config({"sliding_window": sliding_window}), seed)
     with torch.no_grad():
-        # As tiny_gemma4_checkpoint: an embedding that matters beside the layers, layer scalars != 1. And a projection
-        # large enough that the soft tokens (and so the block mask among them) move the logits: with seed 1 and 0.2 a
-        # causal-only mask changes the first token of the tests' two-image prompt, and greedy output is not one
-        # token repeated.
-        model.get_input_embeddings().weight.normal_(0, 1.0)
-        for index, layer in enumerate(model.model.language_model.layers):
-            layer.layer_scalar.fill_(0.5 + 0.1 * index)
-        model.model.embed_vision.embedding_projection.weight.normal_(0, 0.2)
         if bf16_table:
             emb = model.get_input_embeddings().weight
             emb.copy_(emb.to(torch.bfloat16).float())
