@@ -10,9 +10,6 @@ content: the same image again reuses its KV, another image behind the same place
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import dataclasses
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,16 +23,20 @@ from openai import OpenAI
 from server.app.runtime import Host, build_engine, load_host
 from server.config import Settings
 from server.engine.engine import Engine
-from server.engine.types import Finish, GenerationRequest
 from server.model.artifacts import ArtifactDir, GraphSpec
-from server.sampling.params import SamplingParams
 from server.tools.export import export
 from server.vision.load import VisionUnavailable, plan_vision
 from tests.support.api_fixtures import live_server
 from tests.support.vision import (
     IMAGE_TOKEN,
-    IMAGE_TOKEN_ID,
-    png_bytes,
+    NEW_TOKENS,
+    ONE,
+    TWO,
+    chat_text,
+    data_url,
+    engine_request,
+    generate,
+    picture,
     random_image,
     reference_generate,
     reference_prompt,
@@ -45,10 +46,6 @@ from tests.support.vision import (
 
 MODEL = "tiny-vision"
 BUCKET, MAX_TOTAL = 96, 256  # two images (~124 soft tokens) and their text take two chunks or more
-GREEDY = SamplingParams(temperature=0.0)
-NEW_TOKENS = 8
-TWO = "<bos><|turn>user\nLook at <|image|> and then at <|image|>, what changed?<turn|>\n<|turn>model\n"
-ONE = "<bos><|turn>user\nDescribe <|image|> briefly.<turn|>\n<|turn>model\n"
 
 
 def vision_settings(**overrides: Any) -> Settings:
@@ -93,39 +90,11 @@ def engine(host: Host) -> Iterator[Engine]:
         yield engine
 
 
-def request(host: Host, text: str, pictures: list[Any]) -> tuple[GenerationRequest, dict[str, Any]]:
-    """The engine's request for `text` (an `<|image|>` per picture) as transformers' processor expands it, and the
-    reference inputs."""
-    inputs = reference_prompt(text, pictures)
-    ids = inputs["input_ids"][0].tolist()
-    assert host.images is not None
-    images = [host.images.prepare(picture, 70) for picture in pictures]
-    starts = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and (i == 0 or ids[i - 1] != IMAGE_TOKEN_ID)]
-    placed = tuple(dataclasses.replace(image, offset=start) for image, start in zip(images, starts, strict=True))
-    return GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=NEW_TOKENS, sampling=GREEDY, ignore_eos=True,
-                             images=placed), inputs
-
-
-def generate(engine: Engine, req: GenerationRequest) -> tuple[list[int], Finish]:
-    async def go() -> tuple[list[int], Finish]:
-        done = await engine.submit(req).result()
-        return done.token_ids, done.finish
-
-    return asyncio.run(go())
-
-
-PICTURES = {"square": (64, 64, 1), "wide": (96, 64, 2), "tall": (48, 80, 3)}
-
-
-def picture(name: str) -> Any:
-    return random_image(*PICTURES[name])
-
-
 @pytest.mark.parametrize(("text", "names"), [(ONE, ["wide"]), (TWO, ["square", "wide"])])
 def test_greedy_output_with_images_is_transformers_generate(host: Host, engine: Engine, checkpoint: Path,
                                                             text: str, names: list[str]) -> None:
     pictures = [picture(n) for n in names]
-    req, inputs = request(host, text, pictures)
+    req, inputs = engine_request(host, text, pictures)
     expected = reference_generate(checkpoint, inputs, NEW_TOKENS)
     engine.prefix_reuse = False  # every run computes its prompt: what the comparison is about
     try:
@@ -152,13 +121,13 @@ def test_the_same_image_reuses_its_kv_and_another_behind_the_same_ids_does_not(
 
 
 def reuse(host: Host, engine: Engine, checkpoint: Path) -> None:
-    first, _ = request(host, ONE, [picture("wide")])
+    first, _ = engine_request(host, ONE, [picture("wide")])
     _, finish = generate(engine, first)
-    again, _ = request(host, ONE.replace("briefly", "at length"), [picture("wide")])
+    again, _ = engine_request(host, ONE.replace("briefly", "at length"), [picture("wide")])
     image_end = again.images[0].span[1]
     tokens, finish = generate(engine, again)
     assert finish.reused_tokens >= image_end  # the image's KV came from the first request
-    other, inputs = request(host, ONE.replace("briefly", "at length"), [random_image(96, 64, seed=7)])
+    other, inputs = engine_request(host, ONE.replace("briefly", "at length"), [random_image(96, 64, seed=7)])
     assert other.prompt_ids == again.prompt_ids and other.images[0].digest != again.images[0].digest
     tokens, finish = generate(engine, other)
     assert finish.reused_tokens <= other.images[0].offset
@@ -173,16 +142,6 @@ def client(host: Host, engine: Engine) -> Iterator[OpenAI]:
     config = vision_settings()
     with live_server(config, build_engine(host, config), host) as server:
         yield OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def data_url(image: Any) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
-
-
-def chat_text(host: Host, content: str) -> str:
-    """The prompt text the server renders for one user turn (the protocol's, then the template's)."""
-    inputs = host.protocol.prompt_inputs([{"role": "user", "content": content}])
-    return host.tokenizer.apply_chat_template(inputs.messages, add_generation_prompt=True, **inputs.template_kwargs)
 
 
 def test_chat_image_url_parts_give_transformers_tokens(host: Host, client: OpenAI, checkpoint: Path) -> None:

@@ -1,8 +1,8 @@
 """Issue 27, the device side: the recipe's `--vision` graph and its block-aware prefill, against transformers.
 
-A tiny random `Gemma4ForConditionalGeneration` (the text part is the recipe tests' TINY config with
-`use_bidirectional_attention="vision"`; the vision tower is tiny, with standardize and clipped linears on so every
-weight kind is loaded) is built by the recipe (`--target cpu --vision`) as a v2 and a v3 artifact. Then:
+A tiny random `Gemma4ForConditionalGeneration` (tests/support/vision.py's builder; the text part is the recipe tests'
+TINY config with `use_bidirectional_attention="vision"`; the tiny tower has standardize and clipped linears on so
+every weight kind is loaded) is built by the recipe (`--target cpu --vision`) as a v2 and a v3 artifact. Then:
 
 - the traced vision graph (`load_vision_graph`) equals `get_image_features(...).pooler_output` at each built budget,
   for images of two aspects;
@@ -25,6 +25,8 @@ from server.graphs.jit import JitGraphV2, JitGraphV3
 from server.graphs.vision import load_vision_graph
 from server.model.artifacts import GraphSpec
 from tests.support.recipe_helpers import SCRIPT, TINY, load_recipe
+from tests.support.vision import tiny_vision_config
+from tests.support.vision import tiny_vision_model as build_vision_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -32,24 +34,19 @@ BUDGETS = (70, 280)
 BUCKETS = (8, 32)
 MAX = 128
 WINDOW = TINY["sliding_window"]  # 8: an image block of 12 tokens is longer than the window
-TINY_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=256,
-                   standardize=True, use_clipped_linears=True)
+# The tower differs from tests/support/vision.py's on purpose: standardize and clipped linears on, so every weight
+# kind is loaded; patches of 4 pixels, so small test images give many patches.
+TINY_VISION = dict(intermediate_size=48, patch_size=4, position_embedding_size=256, standardize=True,
+                   use_clipped_linears=True)
 
 
 def tiny_vision_model(seed: int = 0):
-    """A random tiny Gemma4ForConditionalGeneration whose tower uses every weight kind (clip bounds, std)."""
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
-
-    torch.manual_seed(seed)
-    text = Gemma4TextConfig(**{**TINY, "use_bidirectional_attention": "vision"})
-    config = Gemma4Config(text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**TINY_VISION).to_dict())
+    """A random tiny Gemma4ForConditionalGeneration (the recipe tests' TINY text model, tests/support/vision.py's
+    builder) whose tower uses every weight kind (clip bounds, std)."""
+    config = tiny_vision_config(TINY, **TINY_VISION)
     config._attn_implementation = "eager"
-    model = Gemma4ForConditionalGeneration(config).eval()
+    model = build_vision_model(config, seed)
     with torch.no_grad():
-        model.model.language_model.embed_tokens.weight.normal_(0, 1.0)
-        for index, layer in enumerate(model.model.language_model.layers):
-            layer.layer_scalar.fill_(0.5 + 0.1 * index)
         for name, buf in model.named_buffers():
             if name.endswith("std_bias"):
                 buf.normal_(0, 0.5)

@@ -7,7 +7,8 @@ artifact directory the server drives:
     OUT/sqz_neff.pt        --target neuron: torch.jit.save of the ModelBuilder trace (weights inside)
     OUT/model.pt           --target cpu:    the same contract traced with torch.jit (KV in module buffers)
     OUT/embed_tokens.pt    bf16 [vocab, hidden]; the host looks rows up and multiplies by sqrt(hidden)
-    OUT/cfg/               config.json, generation_config.json, tokenizer files, chat_template.jinja
+    OUT/cfg/               config.json, generation_config.json, tokenizer files, chat_template.jinja,
+                           preprocessor_config.json (a model that reads images)
     OUT/graph.json         the contract record below
 
 The graph contract ("gemma4-optb/v1"), positional tensors only:
@@ -122,6 +123,8 @@ CFG_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    # The image processor's settings: a --vision build's server reads images with them (the host's processor).
+    "preprocessor_config.json",
 )
 COMPONENTS = ("experts", "attention", "shared_mlp", "lm_head", "other", "kv_cache")
 QUANT_MODES = ("int8", "none")

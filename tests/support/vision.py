@@ -7,12 +7,16 @@
   `boi_token`, `eoi_token` from there.
 - `tiny_vision_checkpoint()`: `Gemma4ForConditionalGeneration` with a two-layer vision tower (patch 16, pooling 3,
   as the real one) and `use_bidirectional_attention="vision"`, plus that tokenizer and the PIL image processor's
-  preprocessor_config.json (`max_soft_tokens` 70, the smallest it allows).
+  preprocessor_config.json (`max_soft_tokens` 70, the smallest it allows). `tiny_vision_config()` /
+  `tiny_vision_model()` build it in memory, other text configs and towers too (tests/test_vision_graph.py's).
 - `reference_prompt()` / `reference_generate()`: what transformers itself does with a prompt and images: the
   processor's expansion of each `<|image|>` into `<|image>` + n soft tokens + `<image|>` (n from the image processor,
   per image), `mm_token_type_ids` (1 on soft tokens: the bidirectional blocks), `pixel_values`, greedy `generate()`.
   `Gemma4Processor` itself cannot be built here (it insists on a video processor, whose check imports torchvision,
   broken beside the CPU torch), so this is the processor's own text expansion, from its parts.
+- `ONE` / `TWO` (prompts with one and two images, text around them), `picture()`, `engine_request()`, `generate()`,
+  `data_url()`, `chat_text()`: what the parity tests of every graph (hf: tests/test_vision.py; the recipe's jit
+  graph: tests/test_vision_jit.py) submit and compare.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
 from tests.support.models import cache_root, tiny_gemma4_config
@@ -39,6 +43,15 @@ IMAGE_TOKEN, BOI, EOI = "<|image|>", "<|image>", "<image|>"
 IMAGE_TOKEN_ID = MEDIA_TOKENS[IMAGE_TOKEN][0]
 SOFT_TOKENS = 70  # the processor's smallest budget: the fixture's default
 _VERSION = "v1"
+NEW_TOKENS = 8
+TWO = "<bos><|turn>user\nLook at <|image|> and then at <|image|>, what changed?<turn|>\n<|turn>model\n"
+ONE = "<bos><|turn>user\nDescribe <|image|> briefly.<turn|>\n<|turn>model\n"
+PICTURES = {"square": (64, 64, 1), "wide": (96, 64, 2), "tall": (48, 80, 3)}  # width, height, seed
+
+if TYPE_CHECKING:
+    from server.app.runtime import Host
+    from server.engine.engine import Engine
+    from server.engine.types import Finish, GenerationRequest
 
 
 def vision_cfg_dir(root: Path | None = None) -> Path:
@@ -66,38 +79,32 @@ def vision_cfg_dir(root: Path | None = None) -> Path:
     return dest
 
 
-def tiny_vision_config(**text_overrides: object) -> Any:
+# The tower: two layers, patch 16 and pooling 3 as the real one (the processor's patches are 16 x 16 pixels).
+TOWER: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                             position_embedding_size=1024)
+
+
+def tiny_vision_config(text: dict[str, Any] | None = None, **tower: Any) -> Any:
+    """`Gemma4Config` of the tiny vision Gemma-4: `text` overrides tests/support/models.py's tiny Gemma-4 text config
+    (always with `use_bidirectional_attention="vision"`), `tower` overrides TOWER."""
     from transformers.models.gemma4 import Gemma4Config, Gemma4VisionConfig
 
-    text = tiny_gemma4_config(use_bidirectional_attention="vision", **text_overrides)
-    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
-                                position_embedding_size=1024)
-    return Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
-                        boi_token_id=MEDIA_TOKENS[BOI][0], eoi_token_id=MEDIA_TOKENS[EOI][0],
+    language = tiny_gemma4_config(**{**(text or {}), "use_bidirectional_attention": "vision"})
+    vision = Gemma4VisionConfig(**{**TOWER, **tower})
+    return Gemma4Config(text_config=language.to_dict(), vision_config=vision.to_dict(),
+                        audio_config=None, boi_token_id=MEDIA_TOKENS[BOI][0], eoi_token_id=MEDIA_TOKENS[EOI][0],
                         image_token_id=IMAGE_TOKEN_ID, video_token_id=MEDIA_TOKENS["<|video|>"][0],
                         audio_token_id=MEDIA_TOKENS["<|audio|>"][0], tie_word_embeddings=True)
 
 
-def image_processor(max_soft_tokens: int = SOFT_TOKENS) -> Any:
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    return Gemma4ImageProcessorPil(max_soft_tokens=max_soft_tokens, patch_size=16, pooling_kernel_size=3)
-
-
-def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_window: int = 24) -> Path:
-    """Save the tiny vision Gemma-4 + tokenizer + image processor into `dest` (default: the test cache), once.
-    The default window (24) is smaller than an image's soft tokens; a window longer than the tests' prompts lets
-    the hf graph rewind its caches (transformers' sliding ring cannot once it wrapped), for the prefix-reuse tests."""
+def tiny_vision_model(config: Any, seed: int = 1) -> Any:
+    """A random `Gemma4ForConditionalGeneration` of `config` whose soft tokens matter (see below), in eval mode."""
     import torch
-    from transformers import GenerationConfig
     from transformers.models.gemma4 import Gemma4ForConditionalGeneration
 
-    dest = dest or cache_root() / f"gemma4-vision-{_VERSION}-{seed}-w{sliding_window}"
-    if (dest / "config.json").is_file():
-        return dest
     torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(tiny_vision_config(sliding_window=sliding_window)).eval()
+    model = Gemma4ForConditionalGeneration(config).eval()
     with torch.no_grad():
         # As tiny_gemma4_checkpoint: an embedding that matters beside the layers, layer scalars != 1. And a projection
         # large enough that the soft tokens (and so the block mask among them) move the logits: with seed 1 and 0.2 a
@@ -107,6 +114,34 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
         for index, layer in enumerate(model.model.language_model.layers):
             layer.layer_scalar.fill_(0.5 + 0.1 * index)
         model.model.embed_vision.embedding_projection.weight.normal_(0, 0.2)
+    return model
+
+
+def image_processor(max_soft_tokens: int = SOFT_TOKENS) -> Any:
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(max_soft_tokens=max_soft_tokens, patch_size=16, pooling_kernel_size=3)
+
+
+def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_window: int = 24,
+                           bf16_table: bool = False) -> Path:
+    """Save the tiny vision Gemma-4 + tokenizer + image processor into `dest` (default: the test cache), once.
+    The default window (24) is smaller than an image's soft tokens; a window longer than the tests' prompts lets
+    the hf graph rewind its caches (transformers' sliding ring cannot once it wrapped), for the prefix-reuse tests.
+    `bf16_table`: the (tied) embedding rounded to bf16, so that the recipe's artifact (its table is bf16) and the
+    f32 reference read the same rows and the same lm_head."""
+    import torch
+    from transformers import GenerationConfig
+
+    table = "-bf16" if bf16_table else ""
+    dest = dest or cache_root() / f"gemma4-vision-{_VERSION}-{seed}-w{sliding_window}{table}"
+    if (dest / "config.json").is_file():
+        return dest
+    model = tiny_vision_model(tiny_vision_config({"sliding_window": sliding_window}), seed)
+    with torch.no_grad():
+        if bf16_table:
+            emb = model.get_input_embeddings().weight
+            emb.copy_(emb.to(torch.bfloat16).float())
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
@@ -172,3 +207,49 @@ def reference_generate(checkpoint: Path, inputs: dict[str, Any], max_new_tokens:
     with torch.inference_mode():
         out = model.generate(**kwargs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def picture(name: str) -> Any:
+    return random_image(*PICTURES[name])
+
+
+def engine_request(host: Host, text: str, pictures: list[Any],
+                   new_tokens: int = NEW_TOKENS) -> tuple[GenerationRequest, dict[str, Any]]:
+    """The engine's greedy request for `text` (an `<|image|>` per picture) as transformers' processor expands it, and
+    the reference inputs (`reference_prompt`)."""
+    import dataclasses
+
+    from server.engine.types import GenerationRequest
+    from server.sampling.params import SamplingParams
+
+    inputs = reference_prompt(text, pictures)
+    ids = inputs["input_ids"][0].tolist()
+    assert host.images is not None
+    images = [host.images.prepare(picture, SOFT_TOKENS) for picture in pictures]
+    starts = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and (i == 0 or ids[i - 1] != IMAGE_TOKEN_ID)]
+    placed = tuple(dataclasses.replace(image, offset=start) for image, start in zip(images, starts, strict=True))
+    return GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0),
+                             ignore_eos=True, images=placed), inputs
+
+
+def generate(engine: Engine, req: GenerationRequest) -> tuple[list[int], Finish]:
+    """`req` through the running engine: its token ids and its finish."""
+    import asyncio
+
+    async def go() -> tuple[list[int], Finish]:
+        done = await engine.submit(req).result()
+        return done.token_ids, done.finish
+
+    return asyncio.run(go())
+
+
+def data_url(image: Any) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def chat_text(host: Host, content: str) -> str:
+    """The prompt text the server renders for one user turn (the protocol's, then the template's)."""
+    inputs = host.protocol.prompt_inputs([{"role": "user", "content": content}])
+    return host.tokenizer.apply_chat_template(inputs.messages, add_generation_prompt=True, **inputs.template_kwargs)
