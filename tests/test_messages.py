@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from server.app.runtime import Host, build_engine, graph_loader
 from server.errors import AnthropicError
 from server.graphs.base import Graph
 from tests.support.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
+from tests.support.vision import png_bytes, random_image
 from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, gemma4_host
 from tests.test_responses import PERSON, THOUGHT, Prompts, TurnScriptedGraph, chat_prompt
 
@@ -37,6 +39,8 @@ TIME_TOOL = {"name": "get_time", "description": "The time in a timezone.", "inpu
     "additionalProperties": False}}
 SCHEMAS = {"get_weather": WEATHER_TOOL["input_schema"], "get_time": TIME_TOOL["input_schema"]}
 HI = [{"role": "user", "content": "Hi"}]
+PNG_BLOCK = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png_bytes(random_image(16, 16))).decode()}}
 STREAM_ORDER = ["message_start", "content_block_start", "ping"]  # then the deltas (the SDK skips pings)
 
 
@@ -307,6 +311,8 @@ def test_errors_are_the_sdks_exceptions_in_anthropics_shape(null_live: LiveServe
         client.messages.count_tokens(model="claude-opus-9", messages=HI)  # type: ignore[arg-type]
     refused = [
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, PNG_BLOCK]}]},  # a text-only model
+         "messages[0].content[1]: image blocks are not supported"),
         ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]}, "messages"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
         ({"thinking": {"type": "adaptive"}}, "thinking"),  # the plain protocol has no thought channel

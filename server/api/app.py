@@ -167,7 +167,7 @@ def create_app(settings: Settings, engine: EngineAPI, model: ModelInfo, *, page:
     constraints = OutputConstraints(model.protocol, model.grammar)
     api = OpenAIRoutes(service, prompts, constraints)
     responses = ResponsesRoutes(service, api, ResponseStore(settings.responses_store_max, settings.responses_store_bytes))
-    messages = MessagesRoutes(service, api)
+    messages = MessagesRoutes(service, api, images_off=None if model.images is not None else model.images_off)
 
     async def health(request: Request) -> Response:
         state = engine.state

@@ -21,8 +21,9 @@ from starlette.responses import JSONResponse, Response
 from server.api.chat.plan import ChatPlanner
 from server.api.http import parse, read_body
 from server.api.messages.builder import MessageBuilder, final_delta, finished, message_shell
-from server.api.messages.schemas import CountTokensRequest, MessagesRequest
-from server.api.messages.translate import chat_request, in_messages_terms
+from server.api.messages.schemas import CountTokensRequest, MessagesRequest, PromptBody
+from server.api.messages.translate import chat_request, check_images, in_messages_terms
+from server.api.schemas import ChatCompletionRequest
 from server.api.service import ClientGone, Service
 from server.api.sse import GenerationStream, frame
 from server.engine.types import Delta, RequestHandle
@@ -36,10 +37,16 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 class MessagesRoutes:
-    def __init__(self, service: Service, chat: ChatPlanner) -> None:
+    def __init__(self, service: Service, chat: ChatPlanner, *, images_off: str | None = None) -> None:
+        """`images_off`: why this server reads no images (image blocks are a 400 naming the first); None: it does."""
         self.service = service
         self.settings = service.settings
         self.chat = chat
+        self.images_off = images_off
+
+    def _chat_body(self, body: PromptBody) -> ChatCompletionRequest:
+        check_images(body, self.images_off, self.settings.allow_image_urls)
+        return chat_request(body)
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
@@ -48,13 +55,13 @@ class MessagesRoutes:
 
     async def create(self, request: Request) -> Response:
         body = parse(MessagesRequest, await self._body(request))
-        chat_body = chat_request(body)
+        chat_body = self._chat_body(body)
         message_id = f"msg_{request.state.completion_id}"
         try:
             plan = await self.chat.plan_chat(chat_body)
             (handle,) = self.chat.submit_plan(plan, chat_body, 1, param="messages", request_id=message_id)
         except APIError as exc:
-            raise in_messages_terms(exc) from None
+            raise in_messages_terms(exc, body) from None
         shell = message_shell(message_id, plan.model, len(plan.ids))
         thinking = body.thinking
         builder = MessageBuilder(plan.new_parser(), show_thinking=thinking is None or thinking.display != "omitted")
@@ -95,9 +102,9 @@ class MessagesRoutes:
 
     async def count_tokens(self, request: Request) -> Response:
         body = parse(CountTokensRequest, await self._body(request))
-        chat_body = chat_request(body)
+        chat_body = self._chat_body(body)
         try:
             ids = await self.chat.prompt_ids(chat_body)
         except APIError as exc:
-            raise in_messages_terms(exc) from None
+            raise in_messages_terms(exc, body) from None
         return JSONResponse({"input_tokens": len(ids)})

@@ -1,10 +1,16 @@
 """The bodies of `POST /v1/messages` and `/v1/messages/count_tokens` as pydantic models (Anthropic's Messages API).
 
 Deliberate choices (do not "fix" these without reading why):
-- What Anthropic has and this server cannot honour is a 400 naming it, never dropped: image, document and search
-  result blocks (a text-only model, until the vision issue lands), citations, redacted thinking (encrypted by another
+- What Anthropic has and this server cannot honour is a 400 naming it, never dropped: document and search result
+  blocks, `file` image sources (there is no Files API here), citations, redacted thinking (encrypted by another
   server), server tools (web search, code execution, ...), MCP servers, containers, context management, an assistant
   prefill (the chat path always opens a new assistant turn).
+- `image` blocks (a user turn's, or inside a `tool_result`) are read by the chat path's image reader (translate.py
+  makes them chat `image_url` parts). A base64 source's `media_type` must be one Anthropic allows (JPEG, PNG, GIF,
+  WebP) and must be what the data is: a mismatch is a 400, as Anthropic answers it, rather than trusting either side.
+  The data's format is told by its first bytes (the four formats' fixed signatures), so the check decodes 12 bytes
+  here, not the image (the reader decodes it later on a worker thread). A `url` source must be http(s); whether this
+  server downloads it (--allow-image-urls) is the route's check, as on chat.
 - `cache_control` (on the body, a block or a tool) is accepted and ignored: this server caches the longest common
   prompt prefix on its own (`usage.cache_read_input_tokens` says how much was reused), with no markers needed.
   So are `metadata`, `service_tier`, `inference_geo`, `speed`, `diagnostics`, and a thinking block's `signature`:
@@ -15,15 +21,18 @@ Deliberate choices (do not "fix" these without reading why):
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.api.http import BodyPart, RequestBody
-from server.api.schemas import ToolName, joined_text_parts
+from server.api.schemas import ToolName
 
-USER_BLOCKS = ("text", "tool_result")
+USER_BLOCKS = ("text", "image", "tool_result")
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's image media types
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking")
 REFUSED = {
     "container": "code execution containers are not supported (this server runs no server tools)",
@@ -31,7 +40,6 @@ REFUSED = {
     "context_management": "not supported: nothing is cleared from a conversation; one longer than the context is a 400",
 }
 _WHY_NOT = {
-    "image": "a text-only model: image blocks are not supported",
     "document": "document blocks are not supported (send the text as a text block)",
     "search_result": "search result blocks are not supported (send the text as a text block)",
     "redacted_thinking": "this server issues no redacted thinking and cannot read another's",
@@ -79,10 +87,81 @@ class ToolUseBlock(BodyPart):
     cache_control: dict[str, Any] | None = None
 
 
+def sniffed_type(data: str) -> str | None:
+    """The image media type base64 `data` starts with (by the format's signature), or None: none of Anthropic's."""
+    head = data[:16]  # 12 bytes: the longest signature (WebP's RIFF....WEBP)
+    try:
+        first = base64.b64decode(head[: len(head) // 4 * 4], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if first.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if first.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if first.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    if first[:4] == b"RIFF" and first[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+class Base64Source(BodyPart):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _the_data_is_that_type(self) -> Base64Source:
+        found = sniffed_type(self.data)
+        if found is None:
+            raise PydanticCustomError("image_data", "data: not a JPEG, PNG, GIF or WebP image in base64 (the image "
+                                      "types this API takes)", {"loc": "data"})
+        if found != self.media_type:
+            raise PydanticCustomError("image_media_type", "media_type: the image was sent as {sent}, but its data is "
+                                      "{found}", {"sent": self.media_type, "found": found, "loc": "media_type"})
+        return self
+
+    @property
+    def url(self) -> str:
+        """The chat path's image URL for it: a data: URL."""
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class UrlSource(BodyPart):
+    type: Literal["url"]
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not value.lower().startswith(("http://", "https://")):
+            raise ValueError("must be an http(s) URL (send an image's bytes as a base64 source)")
+        return value
+
+
+def _source(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "file":
+        raise ValueError("file sources are not supported (this server has no Files API): send the image as a "
+                         "base64 source")
+    if kind not in ("base64", "url"):
+        raise ValueError(f"source type {kind!r}: supported here: base64, url")
+    return value
+
+
+class ImageBlock(BodyPart):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type"), BeforeValidator(_source)]
+    cache_control: dict[str, Any] | None = None
+
+
+ResultBlock = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
 class ToolResultBlock(BodyPart):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: Annotated[str, BeforeValidator(lambda v: joined_text_parts(v, ("text",)) if isinstance(v, list) else v)] = ""
+    content: Annotated[list[ResultBlock], _blocks(("text", "image"))] = Field(default_factory=list)
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -93,7 +172,7 @@ class ThinkingBlock(BodyPart):
     signature: str | None = None  # this server's are empty; any is accepted and ignored
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class InputMessage(BodyPart):
@@ -105,8 +184,8 @@ class InputMessage(BodyPart):
         allowed = USER_BLOCKS if self.role == "user" else ASSISTANT_BLOCKS
         for index, block in enumerate(self.content):
             if block.type not in allowed:
-                raise PydanticCustomError("block_role", "content: block {index} has type {kind!r}, which a {role} "
-                                          "message cannot have (a {role} message has {allowed})",
+                raise PydanticCustomError("block_role", "content: block {index} has type '{kind}', which {role} "
+                                          "messages cannot have ({role} messages have {allowed})",
                                           {"index": index, "kind": block.type, "role": self.role,
                                            "allowed": " / ".join(allowed), "loc": "content"})
         return self

@@ -8,17 +8,24 @@ The thinking mapping (the chat path holds the one thinking budget every route sh
 - `output_config.effort` -> `reasoning_effort` (Anthropic's "max" is chat's highest, "xhigh"); without `thinking` it
   turns thinking on, as any effort does on chat. With thinking disabled it is refused: here an effort only sizes the
   thought, so it would change nothing.
+
+Images: an `image` block is a chat `image_url` part (a base64 source as its data: URL, a url source as its URL), read
+by the chat path's own reader, so the prompt and the images the engine gets are chat's. The route checks first what
+it can without reading (`check_images`: a server that reads no images, a url source where none is downloaded), in
+Messages words; a reader's error about a part is given back naming the block it came from (`places`, by the same walk
+as the translation).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from server.api.http import parse
 from server.api.messages.schemas import (
+    ImageBlock,
     InputMessage,
     MessagesRequest,
     PromptBody,
@@ -26,6 +33,7 @@ from server.api.messages.schemas import (
     ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
+    UrlSource,
 )
 from server.api.schemas import ChatCompletionRequest
 from server.errors import AnthropicError, APIError
@@ -33,15 +41,49 @@ from server.errors import AnthropicError, APIError
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def chat_messages(system: Sequence[TextBlock] | None, messages: Sequence[InputMessage]) -> list[dict[str, Any]]:
+Shown = Sequence[tuple[int, TextBlock | ImageBlock]]  # text and image blocks with their indices in the content sent
+
+
+def _content(blocks: Shown, where: str, chat_index: int, places: dict[str, str] | None) -> str | list[dict[str, Any]]:
+    """Text blocks as one text (joined with "\n", as chat joins its parts); with images, chat content parts in order
+    (an image: an `image_url` part, which the chat path's reader reads), each image's chat param
+    (`messages[C].content[P]`) recorded in `places` as its block's (`WHERE[B]`)."""
+    if not any(isinstance(block, ImageBlock) for _, block in blocks):
+        return "\n".join(block.text for _, block in blocks if isinstance(block, TextBlock))
+    parts: list[dict[str, Any]] = []
+    for part, (index, block) in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+            continue
+        parts.append({"type": "image_url", "image_url": {"url": block.source.url}})
+        if places is not None:
+            places[f"messages[{chat_index}].content[{part}]"] = f"{where}[{index}]"
+    return parts
+
+
+def _result(block: ToolResultBlock, where: str, chat_index: int,
+            places: dict[str, str] | None) -> str | list[dict[str, Any]]:
+    """A tool_result's content as a tool message's: its text (`{"error": TEXT}` with `is_error`), then its images."""
+    blocks = list(enumerate(block.content))
+    if not block.is_error:
+        return _content(blocks, where, chat_index, places)
+    error = TextBlock(type="text", text=json.dumps({"error": "\n".join(
+        b.text for b in block.content if isinstance(b, TextBlock))}))
+    return _content([(-1, error), *((j, b) for j, b in blocks if isinstance(b, ImageBlock))], where, chat_index, places)
+
+
+def chat_messages(system: Sequence[TextBlock] | None, messages: Sequence[InputMessage],
+                  places: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The conversation as OpenAI chat messages: an assistant message's thinking blocks are its `reasoning_content`
     (the template decides whether to render it), its tool_use blocks its `tool_calls`; a user message's tool_result
-    blocks become tool messages (before its text, as Anthropic orders them). A result with `is_error` is given to the
-    model as `{"error": TEXT}` (Gemma-4 renders it as the tool's response object)."""
+    blocks become tool messages (before its text and images, as Anthropic orders them), its text and image blocks one
+    user message (chat content parts, in order). A result with `is_error` is given to the model as `{"error": TEXT}`
+    (Gemma-4 renders it as the tool's response object), followed by its images if it has any. `places`, when given,
+    maps each image's chat param to its Messages block's: a chat-path error about an image names the block sent."""
     chat: list[dict[str, Any]] = [{"role": "system", "content": "\n".join(b.text for b in system)}] if system else []
-    for message in messages:
-        texts = [block.text for block in message.content if isinstance(block, TextBlock)]
+    for i, message in enumerate(messages):
         if message.role == "assistant":
+            texts = [block.text for block in message.content if isinstance(block, TextBlock)]
             thought = "".join(block.thinking for block in message.content if isinstance(block, ThinkingBlock))
             calls = [{"id": block.id, "type": "function", "function": {"name": block.name,
                                                                        "arguments": json.dumps(block.input)}}
@@ -53,13 +95,44 @@ def chat_messages(system: Sequence[TextBlock] | None, messages: Sequence[InputMe
                 turn["reasoning_content"] = thought
             chat.append(turn)
             continue
-        for block in message.content:
+        for j, block in enumerate(message.content):
             if isinstance(block, ToolResultBlock):
-                content = json.dumps({"error": block.content}) if block.is_error else block.content
-                chat.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
-        if texts or not any(isinstance(block, ToolResultBlock) for block in message.content):
-            chat.append({"role": "user", "content": "\n".join(texts)})
+                chat.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                             "content": _result(block, f"messages[{i}].content[{j}].content", len(chat), places)})
+        shown = [(j, block) for j, block in enumerate(message.content) if isinstance(block, TextBlock | ImageBlock)]
+        if shown or not any(isinstance(block, ToolResultBlock) for block in message.content):
+            chat.append({"role": "user", "content": _content(shown, f"messages[{i}].content", len(chat), places)})
     return chat
+
+
+def image_blocks(body: PromptBody) -> list[tuple[str, ImageBlock]]:
+    """Every image block of the conversation with its param (`messages[0].content[1]`, or inside a tool_result
+    `messages[0].content[0].content[1]`), in order."""
+    found: list[tuple[str, ImageBlock]] = []
+    for i, message in enumerate(body.messages):
+        for j, block in enumerate(message.content):
+            if isinstance(block, ImageBlock):
+                found.append((f"messages[{i}].content[{j}]", block))
+            elif isinstance(block, ToolResultBlock):
+                found += [(f"messages[{i}].content[{j}].content[{k}]", inner) for k, inner in enumerate(block.content)
+                          if isinstance(inner, ImageBlock)]
+    return found
+
+
+def check_images(body: PromptBody, images_off: str | None, allow_urls: bool) -> None:
+    """What the route knows before reading: a server that reads no images (`images_off` says why) refuses the first
+    image block, one that downloads none the first url source, each naming the block (the chat path would name its
+    own part)."""
+    blocks = image_blocks(body)
+    if blocks and images_off is not None:
+        param = blocks[0][0]
+        raise AnthropicError(400, f"{param}: image blocks are not supported: {images_off}", param=param,
+                             code="invalid_value")
+    if not allow_urls:
+        param = next((param for param, block in blocks if isinstance(block.source, UrlSource)), None)
+        if param is not None:
+            raise AnthropicError(400, f"{param}: url image sources are off on this server (--allow-image-urls): send "
+                                 "the image as a base64 source", param=param, code="invalid_value")
 
 
 def _thinking_fields(body: PromptBody) -> dict[str, Any]:
@@ -100,7 +173,7 @@ def chat_request(body: PromptBody) -> ChatCompletionRequest:
     try:
         return parse(ChatCompletionRequest, raw)
     except APIError as exc:
-        raise in_messages_terms(exc) from None
+        raise in_messages_terms(exc, body) from None
 
 
 _RENAMED = (("response_format.json_schema.schema", "output_config.format.schema"),
@@ -111,7 +184,9 @@ _RENAMED = (("response_format.json_schema.schema", "output_config.format.schema"
 _TOOL_FUNCTION = re.compile(r"^(tools\[\d+\])\.function(?:\.parameters\b)?")
 
 
-def _renamed(param: str) -> str:
+def _renamed(param: str, places: Mapping[str, str]) -> str:
+    if param in places:
+        return places[param]  # an image part: the block it came from
     if param == "messages" or param.startswith(("messages.", "messages[")):
         return "messages"  # chat message indices are not Messages indices (the system prompt, tool results)
     for old, new in _RENAMED:
@@ -121,10 +196,14 @@ def _renamed(param: str) -> str:
                               param)
 
 
-def in_messages_terms(exc: APIError) -> AnthropicError:
-    """A chat-path error in Anthropic's shape, naming the Messages field it came from."""
+def in_messages_terms(exc: APIError, body: PromptBody | None = None) -> AnthropicError:
+    """A chat-path error in Anthropic's shape, naming the Messages field it came from (with `body`, the request it
+    was translated from: an error about an image part names its image block)."""
     if not exc.param:
         return AnthropicError.of(exc)
-    param = _renamed(exc.param)
+    places: dict[str, str] = {}
+    if body is not None and exc.param.startswith("messages["):
+        chat_messages(body.system, body.messages, places)  # the same walk as the translation, to find the block
+    param = _renamed(exc.param, places)
     message = param + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
     return AnthropicError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
