@@ -104,8 +104,10 @@ def tiny_gemma4_config(**overrides: object) -> object:
     return Gemma4TextConfig(**values)
 
 
-def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, **overrides: object) -> Path:
-    """Save a random tiny Gemma-4 causal LM + the real tokenizer into `dest` (cached by its arguments)."""
+def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, bf16_table: bool = False, **overrides: object) -> Path:
+    """Save a random tiny Gemma-4 causal LM + the real tokenizer into `dest` (cached by its arguments).
+    `bf16_table`: the (tied) embedding rounded to bf16, so that a recipe artifact (its table is bf16) and the f32
+    reference read the same rows and the same lm_head (a tiny random model has near-ties)."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.gemma4 import Gemma4ForCausalLM
@@ -121,6 +123,9 @@ def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, **overrides: object) ->
         model.get_input_embeddings().weight.normal_(0, 1.0)
         for index, layer in enumerate(model.model.layers):
             layer.layer_scalar.fill_(0.5 + 0.1 * index)
+        if bf16_table:
+            emb = model.get_input_embeddings().weight
+            emb.copy_(emb.to(torch.bfloat16).float())
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
