@@ -28,11 +28,10 @@ from server.tools.export import export
 from server.vision.load import VisionUnavailable, plan_vision
 from tests.support.api_fixtures import live_server
 from tests.support.vision import (
-    IMAGE_TOKEN,
     NEW_TOKENS,
     ONE,
     TWO,
-    chat_text,
+    check_chat_images_give_transformers_tokens,
     data_url,
     engine_request,
     generate,
@@ -145,19 +144,7 @@ def client(host: Host, engine: Engine) -> Iterator[OpenAI]:
 
 
 def test_chat_image_url_parts_give_transformers_tokens(host: Host, client: OpenAI, checkpoint: Path) -> None:
-    square, wide = picture("square"), picture("wide")
-    content = [{"type": "text", "text": "Look at"}, {"type": "image_url", "image_url": {"url": data_url(square)}},
-               {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": data_url(wide),
-                                                                                    "detail": "low"}}]
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
-                                            max_tokens=NEW_TOKENS, temperature=0, logprobs=True)
-    inputs = reference_prompt(chat_text(host, f"Look at\n{IMAGE_TOKEN}\nand\n{IMAGE_TOKEN}"), [square, wide])
-    assert answer.usage is not None and answer.usage.prompt_tokens == inputs["input_ids"].shape[1]
-    expected = reference_generate(checkpoint, inputs, NEW_TOKENS)
-    logprobs = answer.choices[0].logprobs
-    assert logprobs is not None and logprobs.content is not None
-    got = [bytes(item.bytes or []) for item in logprobs.content]
-    assert got[: len(expected)] == [host.tokenizer.decode([t]).encode() for t in expected][: len(got)]
+    check_chat_images_give_transformers_tokens(host, client, checkpoint, MODEL)
 
 
 def test_responses_input_image_is_read(client: OpenAI) -> None:

@@ -30,12 +30,11 @@ from server.graphs.vision import VisionGraph
 from tests.support.api_fixtures import live_server
 from tests.support.recipe_helpers import SCRIPT
 from tests.support.vision import (
-    IMAGE_TOKEN,
     NEW_TOKENS,
     ONE,
     SOFT_TOKENS,
     TWO,
-    chat_text,
+    check_chat_images_give_transformers_tokens,
     data_url,
     engine_request,
     generate,
@@ -128,19 +127,7 @@ def client(host: Host, engine: Engine) -> Iterator[OpenAI]:
 
 
 def test_the_openai_sdk_sends_images_unmodified(host: Host, client: OpenAI, checkpoint: Path) -> None:
-    square, wide = picture("square"), picture("wide")
-    content = [{"type": "text", "text": "Look at"}, {"type": "image_url", "image_url": {"url": data_url(square)}},
-               {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": data_url(wide),
-                                                                                    "detail": "low"}}]
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
-                                            max_tokens=NEW_TOKENS, temperature=0, logprobs=True)
-    inputs = reference_prompt(chat_text(host, f"Look at\n{IMAGE_TOKEN}\nand\n{IMAGE_TOKEN}"), [square, wide])
-    assert answer.usage is not None and answer.usage.prompt_tokens == inputs["input_ids"].shape[1]
-    expected = reference_generate(checkpoint, inputs, NEW_TOKENS)
-    logprobs = answer.choices[0].logprobs
-    assert logprobs is not None and logprobs.content is not None
-    got = [bytes(item.bytes or []) for item in logprobs.content]
-    assert got == [host.tokenizer.decode([t]).encode() for t in expected][: len(got)] and got
+    check_chat_images_give_transformers_tokens(host, client, checkpoint, MODEL)
     response = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[{
         "role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                     {"type": "input_image", "image_url": data_url(picture("tall")), "detail": "auto"}]}])

@@ -253,3 +253,22 @@ def chat_text(host: Host, content: str) -> str:
     """The prompt text the server renders for one user turn (the protocol's, then the template's)."""
     inputs = host.protocol.prompt_inputs([{"role": "user", "content": content}])
     return host.tokenizer.apply_chat_template(inputs.messages, add_generation_prompt=True, **inputs.template_kwargs)
+
+
+def check_chat_images_give_transformers_tokens(host: Host, client: Any, checkpoint: Path, model: str) -> None:
+    """Through the `openai` SDK, unmodified: a chat turn with two `image_url` parts (text around them; the second at
+    `detail: low`) is prefilled as transformers' processor expands it (usage.prompt_tokens) and answers transformers'
+    greedy tokens (compared by the logprobs' bytes: the SDK returns text, not ids)."""
+    square, wide = picture("square"), picture("wide")
+    content = [{"type": "text", "text": "Look at"}, {"type": "image_url", "image_url": {"url": data_url(square)}},
+               {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": data_url(wide),
+                                                                                    "detail": "low"}}]
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                            max_tokens=NEW_TOKENS, temperature=0, logprobs=True)
+    inputs = reference_prompt(chat_text(host, f"Look at\n{IMAGE_TOKEN}\nand\n{IMAGE_TOKEN}"), [square, wide])
+    assert answer.usage is not None and answer.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    expected = reference_generate(checkpoint, inputs, NEW_TOKENS)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    got = [bytes(item.bytes or []) for item in logprobs.content]
+    assert got and got == [host.tokenizer.decode([t]).encode() for t in expected][: len(got)]
