@@ -1,6 +1,6 @@
 """The one protocol every device-side graph answers, whatever runs it (Neuron, transformers, nothing).
 
-    forward(embeds [1, T, H], positions [1, T]) -> logits [1, T, V]      (T <= prefill_bucket)
+    forward(embeds [1, T, H], positions [1, T][, block_ids [1, T]]) -> logits [1, T, V]      (T <= prefill_bucket)
 
 A graph compiled for several prefill lengths also exposes `prefill_buckets` (ascending; the largest is
 `prefill_bucket`); the engine plans its prefill chunks over them (server/engine/buckets.py).
@@ -12,7 +12,7 @@ really continue (a transformers sliding-window ring buffer cannot go back once i
 Protocol v3 (`SlotGraph`, the interface a batching scheduler drives): `slots` independent KV caches, decode over
 several rows at once, each row in its own slot at its own position:
 
-    prefill(embeds [1, T, H], positions [1, T], slot, *, last_only) -> logits [1, T, V] ([1, 1, V] with last_only)
+    prefill(embeds [1, T, H], positions [1, T], slot, *, last_only, block_ids) -> logits [1, T, V] ([1, 1, V] w/ last_only)
     decode(embeds [B, 1, H], positions [B, 1], slots [B])           -> logits [B, V]
     rewind_slot(slot, position) -> int                                (rewind, per slot)
 
@@ -47,8 +47,10 @@ class Graph(Protocol):
     name: str
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        """embeds [1, T, H], positions [1, T] int64 -> logits [1, T, V] f32 ([1, 1, V] with last_only)."""
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds [1, T, H], positions [1, T] int64 -> logits [1, T, V] f32 ([1, 1, V] with last_only).
+        `block_ids` [1, T]: image blocks (VisionEncoder below); passed only when the prompt has images, so a text-only
+        graph need not take the keyword."""
         ...
 
     def rewind(self, position: int) -> int:
@@ -64,8 +66,9 @@ class SlotGraph(Protocol):
     prefill_buckets: tuple[int, ...]
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        """embeds [1, T, H], positions [1, T] into `slot` -> logits [1, T, V] f32 ([1, 1, V] with last_only)."""
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds [1, T, H], positions [1, T] into `slot` -> logits [1, T, V] f32 ([1, 1, V] with last_only);
+        `block_ids` [1, T] as `Graph.forward`'s."""
         ...
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
