@@ -32,13 +32,17 @@ from server.tools.export import export
 from tests.support.api_fixtures import LiveServer, live_server
 from tests.support.vision import (
     IMAGE_TOKEN,
+    NEW_TOKENS,
+    chat_text,
+    data_url,
+    picture,
     png_bytes,
     reference_generate,
     reference_prompt,
     tiny_vision_checkpoint,
     vision_cfg_dir,
 )
-from tests.test_vision import BUCKET, MAX_TOTAL, MODEL, NEW_TOKENS, chat_text, data_url, picture, vision_settings
+from tests.test_vision import BUCKET, MAX_TOTAL, MODEL, vision_settings
 
 CAMERA = {"name": "camera", "description": "What the camera sees.", "input_schema": {"type": "object",
                                                                                      "properties": {}}}
