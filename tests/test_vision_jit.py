@@ -30,17 +30,14 @@ from server.graphs.vision import VisionGraph
 from tests.support.api_fixtures import live_server
 from tests.support.recipe_helpers import SCRIPT
 from tests.support.vision import (
-    NEW_TOKENS,
     ONE,
     SOFT_TOKENS,
     TWO,
+    check_a_causal_only_mask_differs,
     check_chat_images_give_transformers_tokens,
+    check_greedy_with_images,
     data_url,
-    engine_request,
-    generate,
     picture,
-    reference_generate,
-    reference_prompt,
     tiny_vision_checkpoint,
 )
 
@@ -102,21 +99,11 @@ def test_auto_serves_the_recipes_vision_graph(host: Host) -> None:
 @pytest.mark.parametrize(("text", "names"), [(ONE, ["wide"]), (TWO, ["square", "wide"])])
 def test_greedy_output_with_images_is_transformers_generate(host: Host, engine: Engine, checkpoint: Path,
                                                             text: str, names: list[str]) -> None:
-    req, inputs = engine_request(host, text, [picture(n) for n in names])
-    expected = reference_generate(checkpoint, inputs, NEW_TOKENS)
-    engine.prefix_reuse = False  # every run computes its prompt: what the comparison is about
-    try:
-        tokens, finish = generate(engine, req)
-    finally:
-        engine.prefix_reuse = True
-    assert tokens == expected
-    assert finish.prompt_tokens == len(req.prompt_ids) and finish.prefill_calls >= -(-len(req.prompt_ids) // BUCKET)
+    check_greedy_with_images(host, engine, checkpoint, text, names, BUCKET)
 
 
 def test_a_causal_only_mask_would_give_other_tokens(checkpoint: Path) -> None:
-    inputs = reference_prompt(TWO, [picture("square"), picture("wide")])
-    assert reference_generate(checkpoint, inputs, NEW_TOKENS) != reference_generate(checkpoint, inputs, NEW_TOKENS,
-                                                                                    bidirectional=False)
+    check_a_causal_only_mask_differs(checkpoint)
 
 
 @pytest.fixture(scope="module")

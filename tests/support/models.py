@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 _cache_root: Path | None = None
 
@@ -104,6 +105,16 @@ def tiny_gemma4_config(**overrides: object) -> object:
     return Gemma4TextConfig(**values)
 
 
+def round_table_to_bf16(model: Any) -> None:
+    """The model's (tied) embedding rounded to bf16 in place: a recipe artifact's table is bf16, so the f32 reference
+    must read the same rows (and, tied, the same lm_head) to be compared with it token for token."""
+    import torch
+
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.copy_(emb.to(torch.bfloat16).float())
+
+
 def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, bf16_table: bool = False, **overrides: object) -> Path:
     """Save a random tiny Gemma-4 causal LM + the real tokenizer into `dest` (cached by its arguments).
     `bf16_table`: the (tied) embedding rounded to bf16, so that a recipe artifact (its table is bf16) and the f32
@@ -124,8 +135,7 @@ def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, bf16_table: bool = Fals
         for index, layer in enumerate(model.model.layers):
             layer.layer_scalar.fill_(0.5 + 0.1 * index)
         if bf16_table:
-            emb = model.get_input_embeddings().weight
-            emb.copy_(emb.to(torch.bfloat16).float())
+            round_table_to_bf16(model)
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
-from tests.support.models import cache_root, tiny_gemma4_config
+from tests.support.models import cache_root, round_table_to_bf16, tiny_gemma4_config
 
 # Gemma-4's multimodal tokens (ids as in transformers' Gemma4Config defaults) and the Gemma-3 ids they replace.
 MEDIA_TOKENS: dict[str, tuple[int, str]] = {
@@ -130,7 +130,6 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
     the hf graph rewind its caches (transformers' sliding ring cannot once it wrapped), for the prefix-reuse tests.
     `bf16_table`: the (tied) embedding rounded to bf16, so that the recipe's artifact (its table is bf16) and the
     f32 reference read the same rows and the same lm_head."""
-    import torch
     from transformers import GenerationConfig
 
     table = "-bf16" if bf16_table else ""
@@ -138,10 +137,8 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
     if (dest / "config.json").is_file():
         return dest
     model = tiny_vision_model(tiny_vision_config({"sliding_window": sliding_window}), seed)
-    with torch.no_grad():
-        if bf16_table:
-            emb = model.get_input_embeddings().weight
-            emb.copy_(emb.to(torch.bfloat16).float())
+    if bf16_table:
+        round_table_to_bf16(model)
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
@@ -272,3 +269,25 @@ def check_chat_images_give_transformers_tokens(host: Host, client: Any, checkpoi
     assert logprobs is not None and logprobs.content is not None
     got = [bytes(item.bytes or []) for item in logprobs.content]
     assert got and got == [host.tokenizer.decode([t]).encode() for t in expected][: len(got)]
+
+
+def check_greedy_with_images(host: Host, engine: Engine, checkpoint: Path, text: str, names: list[str],
+                             bucket: int) -> None:
+    """Greedy output for `text` with the named pictures equals transformers' generate() with the processor's
+    pixel_values, the whole prompt computed (no cached prefix), in chunks of at most `bucket` tokens."""
+    req, inputs = engine_request(host, text, [picture(n) for n in names])
+    expected = reference_generate(checkpoint, inputs, NEW_TOKENS)
+    engine.prefix_reuse = False  # every run computes its prompt: what the comparison is about
+    try:
+        tokens, finish = generate(engine, req)
+    finally:
+        engine.prefix_reuse = True
+    assert tokens == expected
+    assert finish.prompt_tokens == len(req.prompt_ids) and finish.prefill_calls >= -(-len(req.prompt_ids) // bucket)
+
+
+def check_a_causal_only_mask_differs(checkpoint: Path) -> None:
+    """The block mask matters for this checkpoint: without it transformers itself gives other tokens."""
+    inputs = reference_prompt(TWO, [picture("square"), picture("wide")])
+    assert reference_generate(checkpoint, inputs, NEW_TOKENS) != reference_generate(checkpoint, inputs, NEW_TOKENS,
+                                                                                    bidirectional=False)
