@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine.buckets import buckets_of, chunk_spans, plan_chunks
+from server.engine.buckets import chunk_spans, plan_chunks
 
 
 def brute_force(count: int, buckets: list[int]) -> tuple[int, int]:
@@ -49,16 +49,7 @@ def test_examples(count: int, buckets: list[int], chunks: list[int]) -> None:
     assert plan_chunks(count, buckets) == chunks
 
 
-def test_spans_and_buckets_of() -> None:
+def test_spans() -> None:
     assert chunk_spans(10, 50, [8, 32]) == [(10, 42), (42, 50)]
-
-    class One:
-        prefill_bucket = 16
-
-    class Several:
-        prefill_bucket = 32
-        prefill_buckets = (32, 8)
-
-    assert buckets_of(One()) == (16,) and buckets_of(Several()) == (8, 32)
     with pytest.raises(ValueError):
         plan_chunks(5, [])

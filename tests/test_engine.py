@@ -19,6 +19,7 @@ import torch
 from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.config import Settings
 from server.constraints.constraint import StopAfter
+from server.constraints.factory import ConstraintFactory
 from server.engine.engine import Engine
 from server.engine.types import Completion, Finish, GenerationRequest, QueueFull
 from server.graphs.base import Graph
@@ -225,8 +226,8 @@ def test_a_constraint_that_cannot_be_built_fails_its_request_alone(tiny_host: Ho
     def unbuildable(spec: object) -> None:
         raise RuntimeError("no matcher for this spec")
 
-    engine = Engine(tiny_host.embedding, tiny_host.tokenizer, tiny_host.stop_token_ids,
-                    graph_loader(tiny_host), constraints=unbuildable)  # type: ignore[arg-type]
+    engine = Engine(tiny_host.embedding, tiny_host.tokenizer, tiny_host.stop_token_ids, graph_loader(tiny_host),
+                    constraints=ConstraintFactory(tiny_host.structure.vocab_size, unbuildable))  # type: ignore[arg-type]
     engine.start()
     assert engine.wait_ready(30), engine.state_reason
     try:

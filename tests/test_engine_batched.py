@@ -57,7 +57,7 @@ class Recording:
         self.inner = NullGraph(host.structure.vocab_size, max_total=max_total, prefill_bucket=bucket,
                                favoured_token=favoured, step_s=step_s, slots=slots, decode_batches=batches)
         for fact in ("max_total", "prefill_bucket", "prefill_buckets", "input_dtype", "vocab_size", "host_softcap",
-                     "slots", "decode_batches"):
+                     "slots", "decode_batches", "image_blocks"):
             setattr(self, fact, getattr(self.inner, fact))
         self.name = "recording-null"
         self.log: list[Call] = []

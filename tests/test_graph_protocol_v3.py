@@ -1,4 +1,4 @@
-"""Protocol v3 on the one-slot graphs (graphs/base.py `OneSlot`): slot 0 is their one KV cache, a decode batch is one
+"""The graph protocol on the one-slot graphs (graphs/base.py `OneSlotGraph`): slot 0 is their one KV cache, a decode batch is one
 row, and each call is exactly the `forward` / `rewind` the engine makes today (which stay as they are).
 
 The compiled v3 graph's own protocol is proven end to end in tests/test_recipe_v3.py.
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.graphs.base import OneSlot
+from server.graphs.base import OneSlotGraph
 from server.graphs.jit import JitGraph
 from server.graphs.null import NullGraph
 from server.model.artifacts import GraphSpec
@@ -29,7 +29,7 @@ def checker_graph(tmp_path: Path) -> JitGraph:
 def test_v1_graph_answers_protocol_v3_on_slot_zero(checker_graph: JitGraph) -> None:
     """Prefill (padded chunks) and decode through the adapters give the logits of an unpadded reference."""
     graph = checker_graph
-    assert isinstance(graph, OneSlot)
+    assert isinstance(graph, OneSlotGraph)
     assert (graph.slots, graph.decode_batches, graph.prefill_buckets) == (1, (1,), (BUCKET,))
     torch.manual_seed(0)
     n = 2 * BUCKET + 3

@@ -189,7 +189,7 @@ def header(host: Host) -> list[int]:
 
 @pytest.fixture(scope="module")
 def graph(host: Host, header: list[int]) -> ThinkingGraph:
-    return ThinkingGraph(graph_loader(host, hf_slots=2)(), [OPEN, *header],
+    return ThinkingGraph(graph_loader(host, Settings(max_batch=2))(), [OPEN, *header],
                          [*GEMMA4_TOKENS.values(), *host.stop_token_ids])
 
 

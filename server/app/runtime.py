@@ -15,6 +15,7 @@ from pathlib import Path
 from server.api.given import ModelInfo
 from server.app.process import freeze_heap, release_freed_memory, single_threaded_torch
 from server.config import Settings, served_names
+from server.constraints.factory import ConstraintFactory
 from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
 from server.graphs.base import DTYPES, Graph
@@ -117,9 +118,12 @@ def _grammar_vocab(tokenizer: HostTokenizer, vocab_size: int, stops: tuple[int, 
     return vocab
 
 
-def graph_loader(host: Host, device: str = "cpu", null_step_s: float = 0.0, hf_slots: int = 0) -> Callable[[], Graph]:
-    """A zero-argument factory the engine calls on its own thread. `hf_slots`: the reference graph's caches (0: its
-    demo default, graphs.hf.DEMO_SLOTS)."""
+def graph_loader(host: Host, settings: Settings | None = None) -> Callable[[], Graph]:
+    """A zero-argument factory the engine calls on its own thread. `settings`: the device, the null graph's simulated
+    step time, and --max-batch, which is also how many caches the reference graph keeps (graphs.hf.DEMO_SLOTS when
+    unset)."""
+    settings = settings or Settings()
+    device, null_step_s, hf_slots = settings.device, settings.null_step_ms / 1000, settings.max_batch
     kind, spec, structure = host.graph_kind, host.spec, host.structure
 
     def load() -> Graph:
@@ -162,7 +166,8 @@ def build_engine(host: Host, settings: Settings | None = None, *, load: Callable
     settings = settings or Settings()
     single_threaded_torch(host.graph_kind)
     return Engine(host.embedding, host.tokenizer, host.stop_token_ids,
-                  load or graph_loader(host, settings.device, settings.null_step_ms / 1000, settings.max_batch),
+                  load or graph_loader(host, settings),
                   max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
                   step_timeout_s=settings.step_timeout_s, prefix_reuse=prefix_reuse, on_loaded=freeze_heap,
-                  constraints=host.grammar.matcher, max_batch=settings.max_batch, load_vision=host.vision.load)
+                  constraints=ConstraintFactory(host.structure.vocab_size, host.grammar.matcher),
+                  max_batch=settings.max_batch, load_vision=host.vision.load)

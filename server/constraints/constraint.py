@@ -121,7 +121,7 @@ class BannedTokens(Constraint):
 
     def __init__(self, banned: Iterable[int], mask_words: int) -> None:
         self.banned = tuple(sorted(set(banned)))
-        self._mask = _bitmask(self.banned, mask_words, allowed=False)
+        self._mask = bitmask(self.banned, mask_words, allowed=False)
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
         bitmask[:] = self._mask
@@ -137,7 +137,7 @@ class StopAfterCall(Constraint):
         self._close = call_close
         self._closed = False
         self._all = np.full(mask_words, -1, dtype=np.int32)
-        self._stops = _bitmask(stop_ids, mask_words, allowed=True)
+        self._stops = bitmask(stop_ids, mask_words, allowed=True)
         self._stop_ids = frozenset(stop_ids)
 
     def fill_mask(self, bitmask: np.ndarray) -> None:
@@ -163,7 +163,12 @@ def build_matcher(vocab: GrammarVocab, spec: ConstraintSpec) -> Constraint:
     return StopAfterCall(spec.token_id, vocab.stop_ids, vocab.mask_words)
 
 
-def _bitmask(ids: Iterable[int], mask_words: int, *, allowed: bool) -> np.ndarray:
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of a bitmask over `vocab_size` token ids (the layout of `Constraint.fill_mask`)."""
+    return (vocab_size + 31) // 32
+
+
+def bitmask(ids: Iterable[int], mask_words: int, *, allowed: bool) -> np.ndarray:
     """A bitmask (the layout of `Constraint.fill_mask`) allowing exactly `ids`, or everything but `ids`."""
     bits = np.full(mask_words * 32, not allowed, dtype=np.uint8)
     bits[list(ids)] = allowed

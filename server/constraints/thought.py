@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.constraints.constraint import Constraint, _bitmask
+from server.constraints.constraint import Constraint, bitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class BudgetedThought(Constraint):
         self._forcing = 0  # closing-marker tokens already forced (while inside with no budget left)
         # The last tokens written, to spot a marker (the opening outside a thought, the closing inside one).
         self._recent: deque[int] = deque(maxlen=max(len(budget.opening), len(budget.closing)))
-        self._forced = [_bitmask((token,), mask_words, allowed=True) for token in budget.closing]
+        self._forced = [bitmask((token,), mask_words, allowed=True) for token in budget.closing]
         self._all = np.full(mask_words, -1, dtype=np.int32)
 
     @property

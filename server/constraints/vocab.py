@@ -40,7 +40,14 @@ import llguidance
 import numpy as np
 
 from server.cache import AtomicFile
-from server.constraints.constraint import Constraint, ConstraintError, ConstraintSpec, allowed_ids, build_matcher
+from server.constraints.constraint import (
+    Constraint,
+    ConstraintError,
+    ConstraintSpec,
+    allowed_ids,
+    build_matcher,
+    mask_words,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +114,7 @@ class GrammarVocab:
 
     @property
     def mask_words(self) -> int:
-        return (self.vocab_size + 31) // 32
+        return mask_words(self.vocab_size)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar` (a copy of a cached compiled one); ConstraintError if it does not compile.

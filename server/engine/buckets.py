@@ -17,12 +17,6 @@ import itertools
 from collections.abc import Sequence
 
 
-def buckets_of(graph: object) -> tuple[int, ...]:
-    """A graph's prefill buckets: `prefill_buckets` when it has several, else its single `prefill_bucket`."""
-    buckets = getattr(graph, "prefill_buckets", None) or (graph.prefill_bucket,)  # type: ignore[attr-defined]
-    return tuple(sorted(set(buckets)))
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(count: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
     # Fewest calls: k = ceil(n / L) with L the largest bucket (nothing covers n with fewer). Least padding among

@@ -100,7 +100,7 @@ class KVSlots:
     """The slots a scheduler may use, and which of them are free (no running sequence)."""
 
     def __init__(self, rewind_slot: Callable[[int, int], int], count: int) -> None:
-        self.all = [KVSlot(lambda p, s=s: rewind_slot(s, p), s) for s in range(count)]
+        self.all = [KVSlot(_rewinder(rewind_slot, s), s) for s in range(count)]
         self.free: list[KVSlot] = list(self.all)
         self._clock = 0
 
@@ -122,8 +122,6 @@ class KVSlots:
         if slot not in self.free:
             self.free.append(slot)
 
-    def reset(self) -> None:
-        """Every slot forgotten and free (no sequence runs)."""
-        for slot in self.all:
-            slot.reset()
-        self.free = list(self.all)
+
+def _rewinder(rewind_slot: Callable[[int, int], int], slot: int) -> Callable[[int], int]:
+    return lambda position: rewind_slot(slot, position)

@@ -1,11 +1,10 @@
-"""`Runner`, the only caller of the graph: each call timed where the watchdog sees it (`DeviceWatch`), its KV recorded
-in the rows' slots; `Abandoned` when the watchdog gave up on it meanwhile. Every graph is driven through protocol v3
-(server.graphs.base `SlotGraph`): a one-slot graph that only has `forward` / `rewind` is adapted (`slot_graph`).
+"""`Runner`, the only caller of the graph (server.graphs.base `Graph`): each call timed where the watchdog sees it
+(`DeviceWatch`), its KV recorded in the rows' slots; `Abandoned` when the watchdog gave up on it meanwhile.
 
 The decode fast path (measured; keep it when changing this file):
-- publish on submit: the previous tokens' Deltas go out from the graph's `on_submit` callback, right before the
-  step's device work (why then: server.graphs.base; later, the client would wait for the whole device step). A call
-  that fails before submitting publishes them afterwards: no token is ever lost.
+- publish on submit: the held tokens' Deltas go out from the graph's `on_submit` callback, right before every call's
+  device work, a prefill chunk's too (why then: server.graphs.base; later, the client would wait for the whole device
+  step). A call that fails before submitting publishes them afterwards: no token is ever lost.
 - positions pre-built: one [1, 1] tensor per position, made once, for the one-row step (a fresh `torch.tensor` per
   token is a call on the critical path); a step of B rows builds its [B, 1] in one call.
 """
@@ -16,12 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from server.engine.buckets import buckets_of
-from server.graphs.base import Graph, OneSlot, SlotGraph, VisionEncoder
+from server.graphs.base import Graph, VisionEncoder
 from server.model.embedding import HostEmbedding
 
 if TYPE_CHECKING:
@@ -51,43 +49,22 @@ class DeviceWatch:
             self.abandoned, self.stall = False, None
 
 
-class _Adapted(OneSlot):
-    """Protocol v3 over a graph that answers only the one-slot `forward` / `rewind` (a test's stand-in device, an older
-    graph class): OneSlot's adapters, calling the graph's methods as they are at call time."""
-
-    def __init__(self, graph: Graph) -> None:
-        self.graph = graph
-        self.prefill_buckets = buckets_of(graph)
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
-        return self.graph.forward(*args, **kwargs)
-
-    def rewind(self, position: int) -> int:  # type: ignore[override]
-        return self.graph.rewind(position)
-
-
-def slot_graph(graph: Graph) -> SlotGraph:
-    """`graph` as protocol v3: itself when it answers it, else through the one-slot adapters."""
-    if all(hasattr(graph, name) for name in ("slots", "decode_batches", "prefill", "decode", "rewind_slot")):
-        return graph  # type: ignore[return-value]
-    return _Adapted(graph)
-
-
 class Runner:
     """One graph call per method: `prefill` (one chunk of one sequence) and `decode` (one token of each row)."""
 
-    def __init__(self, graph: SlotGraph, embedding: HostEmbedding, lock: threading.Condition, watch: DeviceWatch,
-                 max_total: int, vision: VisionEncoder | None = None) -> None:
+    def __init__(self, graph: Graph, embedding: HostEmbedding, lock: threading.Condition, watch: DeviceWatch,
+                 vision: VisionEncoder | None = None) -> None:
         self.graph = graph
         self.embedding = embedding
         self.vision = vision  # encodes a prompt's images, on this (the device) thread, right before their chunk
         self._lock = lock
-        self._watch = watch
-        self._positions = [torch.tensor([[p]]) for p in range(max_total)]  # [1, 1] each: the one-row fast path
+        self.watch = watch
+        self._positions = [torch.tensor([[p]]) for p in range(graph.max_total)]  # [1, 1] each: the one-row fast path
 
-    def prefill(self, seq: Seq, begin: int, end: int, *, last: bool) -> torch.Tensor:
-        """seq's ids[begin:end] into its slot at positions begin..end-1: logits, [1, 1, V] of the chunk's last position
-        when `last` (the prompt's last chunk: what its first token is sampled from), else [1, T, V]."""
+    def prefill(self, seq: Seq, begin: int, end: int, *, last_only: bool,
+                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        """seq's ids[begin:end] into its slot at positions begin..end-1: logits [1, T, V], or [1, 1, V] of the chunk's
+        last position with `last_only`. `on_submit` publishes the held tokens."""
         kv = seq.kv
         assert kv is not None
         chunk = seq.token_ids[begin:end]
@@ -97,8 +74,8 @@ class Runner:
         blocks: dict[str, torch.Tensor] = {}
         if images:
             embeds, blocks["block_ids"] = self._splice(embeds, begin, end, images)
-        logits = self._call((seq,), lambda submit: self.graph.prefill(embeds, positions, kv.index, last_only=last,
-                                                                      on_submit=submit, **blocks))
+        logits = self._call((seq,), lambda submit: self.graph.prefill(embeds, positions, kv.index, last_only=last_only,
+                                                                      on_submit=submit, **blocks), publish=on_submit)
         kv.tokens.extend(seq.prompt_keys[begin:end])  # a prefill chunk is always of the prompt
         return logits
 
@@ -124,7 +101,7 @@ class Runner:
         return embeds, block_ids
 
     def decode(self, rows: Sequence[Seq], on_submit: Callable[[], None] | None = None) -> torch.Tensor:
-        """Each row's last token into its slot at its next position: logits [B, V]. `on_submit` publishes the previous
+        """Each row's last token into its slot at its next position: logits [B, V]. `on_submit` publishes the held
         tokens."""
         kvs = [seq.kv for seq in rows]
         tokens = [seq.token_ids[-1] for seq in rows]
@@ -145,7 +122,7 @@ class Runner:
               publish: Callable[[], None] | None = None) -> torch.Tensor:
         """One graph call for `rows`; `publish` runs once: when the graph submits its device work, or after a failure
         before that. Counts the call and its device time for every row."""
-        watch = self._watch
+        watch = self.watch
         with self._lock:
             watch.rows, watch.step_started = tuple(rows), (started := time.monotonic())
         submitted: float | None = None

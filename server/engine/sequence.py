@@ -1,6 +1,8 @@
-"""`Sequence`: the engine's state for running one request, and the verbs that advance it token by token
-(`append`, then `finish` once `reason` is set). It never calls the graph. Where it runs (its KV slot, the prefill
-chunks still to run) is the scheduler's (server.engine.scheduler), recorded here so one value says it all.
+"""`Sequence`: the engine's one record of a request, from submission to its Finish: its `state` (waiting, preparing,
+prefilling, decoding, finished) and the verbs that advance it token by token (`append`, then `finish` once `reason`
+is set). It never calls the graph. Where it runs (its KV slot, the prefill chunks still to run) is the scheduler's
+(server.engine.scheduler), recorded here so one value says it all. Its run parts (sampler, detokenizer, stop matcher,
+constraint) are built when it is admitted (`start`), on the device thread, so a request stays a value until then.
 
 - A token a constraint rejects is never emitted (an llguidance error state: the mask allowed nothing it accepts).
 - A stop id is emitted as an empty Delta (its id, no text); a stop string's text is cut where the stop begins.
@@ -12,8 +14,10 @@ chunks still to run) is the scheduler's (server.engine.scheduler), recorded here
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob, prompt_keys
@@ -37,24 +41,42 @@ def finish_event(handle: RequestHandle, reason: str, prompt_tokens: int, complet
                   graph_calls=graph_calls, device_s=device_s, **extra)  # type: ignore[arg-type]
 
 
+class State(enum.Enum):
+    WAITING = "waiting"  # submitted, not admitted yet
+    PREPARING = "preparing"  # admitted to a slot; host work (`preparing`) may still run before its first graph call
+    PREFILLING = "prefilling"  # its prompt's chunks are running
+    DECODING = "decoding"  # its prompt is in the cache and a token sampled: its next step is a decode
+    FINISHED = "finished"  # its Finish is published (or on its way)
+
+
 class Sequence:
-    """One running request: ids, sampler, detokenizer, stop matcher, constraint, budget, counters, deadline."""
+    """One request: ids, sampler, detokenizer, stop matcher, constraint, budget, counters, deadline, state."""
 
-    __slots__ = ("handle", "token_ids", "prompt_keys", "num_prompt_tokens", "sampler", "constraint", "budget", "deadline",
-                 "generated", "ttft_s", "reused_tokens", "prefill_calls", "graph_calls", "device_s", "pending", "reason",
-                 "error", "grammar_done", "kv", "chunks", "prompt_logprobs", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+    __slots__ = ("handle", "state", "after", "preparing", "token_ids", "prompt_keys", "num_prompt_tokens", "sampler",
+                 "constraint", "budget", "deadline", "generated", "ttft_s", "reused_tokens", "prefill_calls",
+                 "graph_calls", "device_s", "pending", "reason", "error", "grammar_done", "kv", "chunks",
+                 "prompt_logprobs", "_detok", "_stops", "_eos_ids", "_ignore_eos")
 
-    def __init__(self, handle: RequestHandle, sampler: Sampler, detok: IncrementalDetokenizer, stops: StopMatcher, *,
-                 constraint: TokenConstraint | None, eos_ids: frozenset[int], budget: int, deadline: float) -> None:
+    # Built by `start` once the sequence is admitted (the engine's parts for one run of the request).
+    sampler: Sampler
+    constraint: TokenConstraint | None
+    _detok: IncrementalDetokenizer
+    _stops: StopMatcher
+
+    def __init__(self, handle: RequestHandle, *, eos_ids: frozenset[int], budget: int, deadline: float,
+                 after: Sequence | None = None) -> None:
         request = handle.request
         self.handle = handle
+        self.state = State.WAITING
+        self.after = after  # a choice of the same prompt admitted only once this one ended: it finds the prompt cached
+        # Host work that must finish before the first graph call (an image encode, a restored prefix): the scheduler
+        # skips the sequence until every future is done; one that failed ends it with its error.
+        self.preparing: list[Future[None]] = []
         self.token_ids = list(request.prompt_ids)  # the prompt, then each generated token
         self.num_prompt_tokens = len(self.token_ids)
         # What the KV cache holds at each prompt position: token ids, and at an image's soft tokens its content key
         # (server.engine.types.prompt_keys): prefix reuse compares these, never the placeholder ids alone.
         self.prompt_keys = prompt_keys(request)
-        self.sampler = sampler
-        self.constraint = constraint  # advanced here, token by token; the sampler only reads its mask
         self.budget = budget  # max new tokens, within the context
         self.deadline = deadline  # monotonic wall-clock limit, counted from submission
         self.generated = 0
@@ -71,10 +93,22 @@ class Sequence:
         self.grammar_done = False  # ended by a finished constraint: what the detokenizer holds is still to be released
         # The logprobs of the prompt's 2nd..last tokens, chunk by chunk while it prefills (None: not asked for).
         self.prompt_logprobs: list[TokenLogprob] | None = None if request.prompt_logprobs is None else []
-        self._detok = detok
-        self._stops = stops
         self._eos_ids = eos_ids
         self._ignore_eos = request.ignore_eos
+
+    def start(self, sampler: Sampler, detok: IncrementalDetokenizer, stops: StopMatcher,
+              constraint: TokenConstraint | None) -> None:
+        """Admitted: the parts that run it."""
+        self.sampler, self._detok, self._stops, self.constraint = sampler, detok, stops, constraint
+
+    @property
+    def ready(self) -> bool:
+        """Its host work is done: the scheduler may give it graph calls."""
+        return all(work.done() for work in self.preparing)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
 
     def append(self, result: SampleResult) -> Delta | None:
         """Advance everything by one sampled token: its Delta (None when it must not be emitted); sets `reason`
@@ -118,11 +152,6 @@ class Sequence:
     def image_blocks(self) -> list[tuple[int, int]]:
         """Prompt spans [begin, end) that one prefill call must hold whole: the images' soft tokens."""
         return [image.span for image in self.handle.request.images]
-
-    @property
-    def decoding(self) -> bool:
-        """Its prompt is in the cache and a token sampled: its next step is a decode."""
-        return not self.chunks and self.generated > 0
 
     def finish(self) -> tuple[Delta | None, Finish]:
         """Once `reason` is set: (the held-back text released, if any, and the Finish). Publishes nothing."""

@@ -56,6 +56,14 @@ def prompt_keys(request: GenerationRequest) -> tuple[int, ...]:
     return tuple(keys)
 
 
+def completion_budget(max_total: int, prompt_tokens: int, requested: int | None) -> int:
+    """The tokens a completion may have: `requested` (None: as many as fit), capped by what the context leaves after
+    the prompt. The one rule for it, applied by the API (which refuses a prompt that leaves less than one) and by the
+    engine (which holds every request to it)."""
+    room = max_total - prompt_tokens
+    return room if requested is None else min(requested, room)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]

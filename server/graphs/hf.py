@@ -38,7 +38,8 @@ class HFGraph:
 
         self.device = torch.device(device)
         dtype = DTYPES[spec.input_dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to as a decorator
         config = self.model.config.get_text_config()
         self.max_total = spec.max_total
         self.prefill_bucket = spec.prefill_bucket
@@ -46,6 +47,7 @@ class HFGraph:
         self.input_dtype = dtype
         self.vocab_size = int(config.vocab_size)
         self.host_softcap = None  # transformers applies the final soft-cap itself
+        self.image_blocks = True  # block_ids get transformers' own Gemma-4 masks (the module docs)
         self.slots = slots
         self.decode_batches = tuple(range(1, slots + 1))  # any number of rows: they run one after another
         self.caches = [StaticCache(config=self.model.config, max_cache_len=spec.max_total) for _ in range(slots)]
@@ -106,20 +108,23 @@ class HFGraph:
 
     @torch.inference_mode()  # the cache tensors were created under inference mode: only it may update them
     def rewind_slot(self, slot: int, position: int) -> int:
+        from transformers.cache_utils import StaticSlidingWindowLayer
+
         checked_slots([slot], self.slots)
         cache, written = self.caches[slot], self.positions[slot]
         if position >= written:
             return written
         self.groups[slot][0, position:] = -1
-        layers = getattr(cache, "layers", [])
-        wrapped = any(getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len for layer in layers)
+        layers = cache.layers
+        wrapped = any(isinstance(layer, StaticSlidingWindowLayer) and layer.get_seq_length() > layer.max_cache_len
+                      for layer in layers)
         if wrapped or not layers:
             cache.reset()
             self.groups[slot].fill_(-1)
             self.positions[slot] = 0
             return 0
         for layer in layers:
-            if getattr(layer, "is_initialized", False):
+            if layer.is_initialized:
                 layer.crop(-(written - position))  # negative: drop that many of the newest slots
         self.positions[slot] = position
         return position

@@ -14,7 +14,7 @@ so a short prefill chunk is padded here. Pad positions continue past the last re
 land in slots no real query has seen yet, and later decode steps overwrite them before any query can.
 
 Contract v2 (`JitGraphV2`) takes embeds and positions only; contract v3 (`JitGraphV3`) adds slot ids and decode
-graphs over several rows, and answers protocol v3 (graphs/base.py) natively. v1 and v2 answer it as one-slot graphs.
+graphs over several rows. All three answer graphs/base.py's `Graph`; v1 and v2 as one-slot graphs.
 
 Image blocks (a `--vision` build, graph.json `block_ids`): v2's and v3's prefill graphs take `block_ids [1, T]` int64
 last (0 = text, one id > 0 per image; graphs/base.py `VisionEncoder`), padded here with 0 like the chunk; decode takes
@@ -27,10 +27,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from server.graphs.base import DTYPES, OneSlot, checked_slots, decode_batch_for
+from server.graphs.base import DTYPES, OneSlotGraph, checked_slots, decode_batch_for
 from server.model.artifacts import GraphSpec
 from server.vendor.neuron_prelude import prepare_neuron_imports
 
@@ -46,6 +47,26 @@ def load_compiled(path: Path | str, contract: str) -> torch.jit.ScriptModule:
     runtime = prepare_neuron_imports()
     log.info("loading compiled graph %s (%s, neuron runtime: %s)", path, contract, runtime or "none, CPU TorchScript")
     return torch.jit.load(str(path))
+
+
+def neuron_model(module: torch.jit.ScriptModule) -> Any | None:
+    """NxD's model inside a Neuron build (what its weights are pushed through); None for a CPU trace."""
+    return getattr(module, "nxd_model", None)
+
+
+def push_weights(module: torch.jit.ScriptModule, weights: list[dict[str, torch.Tensor]], start_rank: int,
+                 prefix: str = "") -> None:
+    """Per-rank memory-mapped weights (server/model/weights.py) into a loaded graph: NxD's own initialisation on
+    Neuron (what ModelBuilder.trace does with its shards); on a CPU trace, one rank's put on the module by name."""
+    from server.model.weights import attach_weights
+
+    nxd = neuron_model(module)
+    if nxd is not None:
+        nxd.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))
+        return
+    if len(weights) != 1:
+        raise ValueError(f"a CPU graph runs one rank, graph.json lists {len(weights)} weight files")
+    log.info("attached %.1f MB of memory-mapped weights", attach_weights(module, weights[0], prefix=prefix) / 1e6)
 
 
 class ContractInputs:
@@ -116,29 +137,19 @@ class _CompiledGraph:
             blocks[:, :t] = block_ids
         return (blocks,)
 
-    def _initialize_saved_weights(self, start_rank: int) -> None:
-        if hasattr(self.module, "nxd_model"):
-            # Pushes the saved sharded weights to the NeuronCores; once, before the first call.
-            self.module.nxd_model.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
-
     def _load_weights(self, path: Path | str, spec: GraphSpec, start_rank: int) -> None:
         if spec.weight_files:
-            self._load_separate_weights([Path(path).parent / f for f in spec.weight_files], start_rank)
+            from server.model.weights import open_rank_weights
+
+            weights = [open_rank_weights(Path(path).parent / f) for f in spec.weight_files]  # memory-mapped, per rank
+            push_weights(self.module, weights, start_rank, prefix="core.")
         else:
             self._initialize_saved_weights(start_rank)
 
-    def _load_separate_weights(self, files: list[Path], start_rank: int) -> None:
-        from server.model.weights import attach_weights, open_rank_weights
-
-        weights = [open_rank_weights(f) for f in files]  # memory-mapped, one dict per rank
-        if hasattr(self.module, "nxd_model"):
-            # NxD's own initialisation (what ModelBuilder.trace does with its shards) from the mapped files.
-            self.module.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))
-        else:
-            if len(weights) != 1:
-                raise ValueError(f"a CPU graph runs one rank, graph.json lists {len(weights)} weight files")
-            attached = attach_weights(self.module, weights[0], prefix="core.")
-            log.info("attached %.1f MB of memory-mapped weights", attached / 1e6)
+    def _initialize_saved_weights(self, start_rank: int) -> None:
+        nxd = neuron_model(self.module)
+        if nxd is not None:  # pushes the saved sharded weights to the NeuronCores; once, before the first call
+            nxd.initialize_with_saved_weights(torch.tensor([start_rank], dtype=torch.int32))
 
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
@@ -175,7 +186,7 @@ class _CompiledGraph:
         return logits if logits.dtype == torch.float32 else logits.float()
 
 
-class JitGraph(_CompiledGraph, OneSlot):
+class JitGraph(_CompiledGraph, OneSlotGraph):
     """Contract v1 (the module docs): one prefill bucket; the host builds the write slots and masks."""
 
     def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, sliding_window: int | None,
@@ -187,17 +198,12 @@ class JitGraph(_CompiledGraph, OneSlot):
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.inputs.build(positions)  # onehot, full_mask, sliding_mask
 
-    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
-        checked_slots([slot], 1)
-        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit, block_ids=block_ids)
-
     def rewind(self, position: int) -> int:
         # One-hot writes address slots by absolute position: stale slots are simply overwritten.
         return position
 
 
-class JitGraphV2(_CompiledGraph, OneSlot):
+class JitGraphV2(_CompiledGraph, OneSlotGraph):
     """Contract v2 (ARCHITECTURE.md "Contract v2"): `model(inputs_embeds f32 [1,T,H], position_ids int64 [1,T])`.
 
     The graph builds its masks and KV write slots from the positions and keeps sliding layers in a ring of
@@ -211,12 +217,6 @@ class JitGraphV2(_CompiledGraph, OneSlot):
         self._load_weights(path, spec, start_rank)
         self.window, self.ring = spec.sliding_window, spec.sliding_slots
         self._written = -1  # highest position written (pads included) since the cache was last filled from 0
-
-    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """OneSlot's prefill, with the image blocks passed on."""
-        checked_slots([slot], 1)
-        return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit, block_ids=block_ids)
 
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Recorded before the call: a failed call may have written some layers.
@@ -250,7 +250,7 @@ class JitGraphV3(_CompiledGraph):
     reads them, the ring's guarantee for up to `max(decode_batches) <= largest bucket` positions a call), costs what
     a real row costs and touches no other slot. `rewind_slot` counts it as written.
 
-    For the engine of today, `forward` and `rewind` serve slot 0 as a v2 graph would.
+    `forward` and `rewind` serve slot 0 as a v2 graph would.
     """
 
     def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, final_softcap: float | None,
@@ -318,7 +318,7 @@ class JitGraphV3(_CompiledGraph):
             self._slot_written[slot] = -1
         return position if keeps else 0
 
-    # The one-slot protocol the engine drives today: slot 0.
+    # Slot 0 as a one-slot graph's calls (what tests of one conversation drive).
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit, block_ids=block_ids)

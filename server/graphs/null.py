@@ -1,7 +1,7 @@
 """A graph that computes nothing: fixed logits of the configured vocabulary, instantly.
 
 For benchmarks of the host (everything but the device) and for engine tests that need real shapes. It answers
-protocol v3 (graphs/base.py) with `slots` KV slots (default 1: a one-slot graph) and decode batches up to them; a
+graphs/base.py's `Graph` with `slots` KV slots (default 1: a one-slot graph) and decode batches up to them; a
 simulated step time per call (`step_s`), or per decode batch size (`batch_step_s`, e.g. `ROOFLINE_STEP_S`, the
 recipe's projection of the 26B on inf2.xlarge), makes the worker wait as it waits on a NeuronCore.
 The logits are a fixed random pattern (seeded), so sampling does real work over a realistic distribution,
@@ -40,6 +40,7 @@ NULL_SLOTS, NULL_DECODE_BATCHES = 8, (1, 2, 4, 8)
 
 class NullGraph:
     name = "null"
+    image_blocks = False
 
     def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
                  input_dtype: torch.dtype = torch.float32, host_softcap: float | None = None,
@@ -86,7 +87,7 @@ class NullGraph:
     def rewind(self, position: int) -> int:
         return position
 
-    # Protocol v3 over `slots` slots (with one, what OneSlot's adapters of forward / rewind would do).
+    # The protocol over `slots` slots (with one, what OneSlotGraph's calls over forward / rewind would do).
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         checked_slots([slot], self.slots)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from server.graphs.base import DTYPES
-from server.graphs.jit import load_compiled
+from server.graphs.jit import load_compiled, push_weights
 from server.model.artifacts import GraphSpec, VisionSpec
 
 log = logging.getLogger(__name__)
@@ -33,21 +33,14 @@ class VisionGraph:
     name = "jit-vision"
 
     def __init__(self, root: Path | str, vision: VisionSpec, input_dtype: torch.dtype, start_rank: int = 0) -> None:
-        from server.model.weights import attach_weights, open_rank_weights
+        from server.model.weights import open_rank_weights
 
         root = Path(root)
         self.spec = vision
         self.budgets = vision.budgets
         self.input_dtype = input_dtype
         self.module = load_compiled(root / vision.graph_file, "vision")
-        weights = [open_rank_weights(root / f) for f in vision.weight_files]  # memory-mapped, one dict per rank
-        if hasattr(self.module, "nxd_model"):
-            self.module.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))
-        else:
-            if len(weights) != 1:
-                raise ValueError(f"a CPU vision graph runs one rank, graph.json lists {len(weights)} weight files")
-            attached = attach_weights(self.module, weights[0])
-            log.info("vision tower: attached %.1f MB of memory-mapped weights", attached / 1e6)
+        push_weights(self.module, [open_rank_weights(root / f) for f in vision.weight_files], start_rank)
 
     def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """pixel_values [1, P, D], position_ids [1, P, 2] for `budget` -> soft tokens [N, H] in `input_dtype`."""

@@ -35,7 +35,7 @@ from server.app.page import chat_page_html
 from server.app.runtime import Host, build_engine, graph_loader, load_host
 from server.config import Settings
 from server.engine.engine import Engine
-from server.graphs.base import Graph
+from server.graphs.base import Graph, OneSlotGraph
 from tests.support.models import demo_dir
 from tests.support.wait import wait_until
 
@@ -60,22 +60,29 @@ def settings(**overrides: Any) -> Settings:
     return replace(base, **overrides)
 
 
-class WrappedGraph:
-    """A test's stand-in device around a real graph: the same Graph facts, `rewind` passed through; subclasses change
-    `forward`."""
+class WrappedGraph(OneSlotGraph):
+    """A test's stand-in device around a real graph: the same facts, one slot (the inner graph's slot 0), `rewind`
+    passed through; subclasses change `forward`."""
 
     def __init__(self, inner: Graph, label: str) -> None:
         self.inner = inner
         self.max_total = inner.max_total
-        self.prefill_bucket = inner.prefill_bucket
+        self.prefill_buckets = inner.prefill_buckets
+        self.prefill_bucket = max(inner.prefill_buckets)
         self.input_dtype = inner.input_dtype
         self.vocab_size = inner.vocab_size
         self.host_softcap = inner.host_softcap
+        self.image_blocks = inner.image_blocks
         self.name = f"{label}-{inner.name}"
         self.calls = 0
 
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+        blocks = {} if block_ids is None else {"block_ids": block_ids}
+        return self.inner.prefill(embeds, positions, 0, last_only=last_only, on_submit=on_submit, **blocks)
+
     def rewind(self, position: int) -> int:
-        return self.inner.rewind(position)
+        return self.inner.rewind_slot(0, position)
 
 
 class SlowGraph(WrappedGraph):
@@ -97,14 +104,14 @@ class SlowGraph(WrappedGraph):
         time.sleep(self.delay_s)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._device(on_submit)
-        return self.inner.forward(embeds, positions, last_only=last_only)
+        return super().forward(embeds, positions, last_only=last_only, block_ids=block_ids)
 
 
 class SlowSlots(SlowGraph):
-    """SlowGraph over a graph of several KV slots (protocol v3, e.g. `serve --graph null`'s): every call, a prefill
-    chunk or a decode step of B rows, takes `delay_s` and counts toward `fail_after`."""
+    """SlowGraph over a graph of several KV slots (e.g. `serve --graph null`'s): every call, a prefill chunk or a
+    decode step of B rows, takes `delay_s` and counts toward `fail_after`."""
 
     def __init__(self, inner: Any, delay_s: float, fail_after: int | None = None) -> None:
         super().__init__(inner, delay_s, fail_after)
@@ -131,7 +138,7 @@ def slow_loader(host: Host, delay_s: float, fail_after: int | None = None) -> tu
 
     def load() -> Graph:
         inner = graph_loader(host)()
-        graph = (SlowSlots if getattr(inner, "slots", 1) > 1 else SlowGraph)(inner, delay_s, fail_after)
+        graph = (SlowSlots if inner.slots > 1 else SlowGraph)(inner, delay_s, fail_after)
         made.append(graph)
         return graph
 

@@ -18,7 +18,7 @@ from jinja2 import TemplateError
 
 from server.api.given import ImageReader, ModelInfo
 from server.api.schemas import IMAGE_MARK, ChatCompletionRequest, Message, Tool
-from server.engine.types import ImageInput
+from server.engine.types import ImageInput, completion_budget
 from server.errors import APIError, InvalidRequest
 from server.protocol import ChatProtocol, PromptInputs
 
@@ -59,12 +59,12 @@ class Prompts:
 
     def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
         """Tokens the completion may have: the request's limit, capped by what the context leaves."""
-        room = self.model.max_total - prompt_tokens
+        room = completion_budget(self.model.max_total, prompt_tokens, None)
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.model.max_total} tokens and at least "
                            f"one must remain for the completion, but the prompt has {prompt_tokens} tokens.",
                            param=param, code="context_length_exceeded")
-        return room if requested is None else min(requested, room)
+        return completion_budget(self.model.max_total, prompt_tokens, requested)
 
     # Tokenizing runs on a worker thread: a 2 MB prompt takes seconds, which would stall every other stream's
     # chunks on the event loop. (Encoding and decoding borrow the Rust tokenizer immutably and release the GIL.)

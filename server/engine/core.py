@@ -1,0 +1,323 @@
+"""The engine core: every request's one record (`Sequence`, with its state) and `step()`, which admits waiting requests
+into free KV slots, asks the scheduler for the next step, runs that one graph call and postprocesses it. Synchronous
+and thread-free, so a test walks it one graph call at a time; the front (server.engine.engine) drives it from the
+device-owner thread and adds the lifecycle, the queue bound and the watchdog.
+
+- Admission is first come, first served; a choice of one request (n > 1: the same prompt) is admitted once the one
+  before it ended, so it finds the prompt, and its logits, still in that slot's cache: no prefill.
+- Held tokens: a sampled token's Delta waits for the next graph call and goes out when that call submits its device
+  work, whatever the call is (a decode step or another sequence's prefill chunk): server.graphs.base `on_submit`.
+- `_retire` is the one way a request ends: its record is marked finished before its Finish is published, so a caller
+  holding a Finish never reads a count that still includes its request. The lock (the front's) guards the records'
+  states against the front's other threads; graph calls run outside it.
+- A graph call that raises ends the requests of that step with an error and resets their slots; the others go on.
+- Prompt logprobs (a request's `prompt_logprobs`) come from each prefill chunk's logits at every position, soft-capped
+  as the sampler's, published as one `PromptLogprobs` event after the last chunk. Any other chunk hands back its last
+  position's logits only: nothing else of them is read.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from server.engine.kv import KVSlots
+from server.engine.runner import Abandoned, DeviceWatch, Runner
+from server.engine.scheduler import DecodeStep, Policy, PrefillStep, Scheduler, Step
+from server.engine.sequence import Sequence, State, finish_event
+from server.engine.types import (
+    Delta,
+    Event,
+    Finish,
+    PromptLogprobs,
+    RequestHandle,
+    TokenLogprob,
+    completion_budget,
+    prompt_keys,
+)
+from server.model.detok import IncrementalDetokenizer, StopMatcher
+from server.sampling.primitives import prompt_logprobs
+from server.sampling.sampler import Sampler, sample_rows
+
+if TYPE_CHECKING:
+    from server.constraints.factory import ConstraintFactory
+    from server.engine.types import Tokenizer
+    from server.graphs.base import Graph, VisionEncoder
+    from server.model.embedding import HostEmbedding
+
+log = logging.getLogger(__name__)
+
+RUNNING = (State.PREPARING, State.PREFILLING, State.DECODING)
+
+
+class EngineCore:
+    """The records and the step (module docs). `capacity`: sequences at once; `request_timeout_s`: a request's default
+    wall-clock limit, counted from submission."""
+
+    def __init__(self, graph: Graph, embedding: HostEmbedding, tokenizer: Tokenizer, eos_ids: frozenset[int], *,
+                 constraints: ConstraintFactory, capacity: int, request_timeout_s: float, lock: threading.Condition,
+                 watch: DeviceWatch, vision: VisionEncoder | None = None, prefix_reuse: bool = True,
+                 policy: Policy | None = None) -> None:
+        self.graph = graph
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.constraints = constraints  # a request's constraint values -> this run's matcher
+        self.request_timeout_s = request_timeout_s
+        self.runner = Runner(graph, embedding, lock, watch, vision)
+        self.scheduler = Scheduler(graph.prefill_buckets, KVSlots(graph.rewind_slot, capacity), capacity,
+                                   prefix_reuse=prefix_reuse, policy=policy)
+        self.records: dict[RequestHandle, Sequence] = {}  # every request until its caller has its Finish, in order
+        self._lock = lock
+        self._watch = watch
+
+    # ----------------------------------------------------------------- the records (any thread, under the lock)
+
+    def add(self, handles: collections.abc.Sequence[RequestHandle]) -> list[Sequence]:
+        """New requests, waiting in submission order; one with the prompt of one before it runs after that one."""
+        with self._lock:
+            for handle in [h for h, seq in self.records.items() if seq.finished and h.delivered]:
+                del self.records[handle]
+            last = {prompt_keys(seq.handle.request): seq for seq in self.records.values() if not seq.finished}
+            added = []
+            for handle in handles:
+                request, key = handle.request, prompt_keys(handle.request)  # the images' content too
+                deadline = handle.submitted + (request.timeout_s or self.request_timeout_s)
+                budget = completion_budget(self.graph.max_total, len(request.prompt_ids), request.max_new_tokens)
+                seq = last[key] = Sequence(handle, eos_ids=self.eos_ids, budget=budget, deadline=deadline,
+                                           after=last.get(key))
+                self.records[handle] = seq
+                added.append(seq)
+            return added
+
+    def count(self, *states: State) -> int:
+        with self._lock:
+            return sum(seq.state in states for seq in self.records.values())
+
+    @property
+    def live(self) -> int:
+        """Requests admitted to the engine and not finished: waiting or running (what --max-queue bounds)."""
+        return self.count(State.WAITING, *RUNNING)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    @property
+    def admissible(self) -> bool:
+        """A waiting request could take a slot now."""
+        return self.scheduler.has_room and self._first_admissible() is not None
+
+    def _first_admissible(self) -> Sequence | None:
+        with self._lock:
+            return next((seq for seq in self.records.values() if seq.state is State.WAITING
+                         and (seq.after is None or seq.after.finished)), None)
+
+    def expire_waiting(self, now: float) -> None:
+        """Waiting requests past their wall-clock limit end now (the watchdog's, even while the device is stuck)."""
+        with self._lock:
+            expired = [seq for seq in self.records.values() if seq.state is State.WAITING and now > seq.deadline]
+        for seq in expired:
+            self._expire(seq)
+
+    def cancel_waiting(self) -> None:
+        """Every waiting request ends, cancelled: nobody may wait forever on a request the engine will never run."""
+        with self._lock:
+            waiting = [seq for seq in self.records.values() if seq.state is State.WAITING]
+        for seq in waiting:
+            self._retire(seq, self._unrun(seq, "cancelled"))
+
+    # ----------------------------------------------------------------- the step (the device-owner thread)
+
+    def step(self, admit: bool = True) -> Step | None:
+        """admit -> schedule -> one graph call -> postprocess. Returns the step that ran (None: nothing could run)."""
+        if admit:
+            while self.scheduler.has_room and (seq := self._take_waiting()) is not None:
+                self._start(seq)
+        self._sweep()
+        step = self.scheduler.schedule()
+        if step is not None:
+            self._run(step)
+        return step
+
+    def _take_waiting(self) -> Sequence | None:
+        with self._lock:
+            seq = self._first_admissible()
+            if seq is not None:
+                seq.state, seq.after = State.PREPARING, None  # out of the watchdog's reach, the choice link let go
+            return seq
+
+    def _start(self, seq: Sequence) -> None:
+        """Admit `seq` to the device: its run parts, its slot (what the cache already holds of its prompt), its plan."""
+        handle = seq.handle
+        handle.started = time.monotonic()
+        if handle.cancelled.is_set():
+            self._retire(seq, self._unrun(seq, "cancelled", prompt=0))
+            return
+        if handle.started > seq.deadline:  # it ran out between two watchdog sweeps of the waiting requests
+            self._expire(seq)
+            return
+        try:
+            self._build(seq)
+        except Exception as exc:  # noqa: BLE001 - e.g. a constraint's grammar compiled again: this request's fault, not
+            # the device's, so the cache (and the next request's prefix) stays as it is
+            log.exception("request %s could not start", handle.request.request_id)
+            self._retire(seq, self._unrun(seq, "error", error=f"{type(exc).__name__}: {exc}"))
+            return
+        if seq.budget == 0 and seq.prompt_logprobs is None:  # the prompt alone (echo, max_tokens 0): nothing to compute
+            seq.reason = "length"
+            self._end(seq)
+            return
+        kept = self.scheduler.add(seq)
+        if kept is not None:  # the same prompt as this slot's last one, all of it still in the cache: no prefill at all
+            self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
+
+    def _build(self, seq: Sequence) -> None:
+        """`seq`'s run parts: its sampler, detokenizer, stop matcher and constraint (a fresh matcher for this run)."""
+        graph, request = self.graph, seq.handle.request
+        longest = self.scheduler.buckets[-1]
+        if any(image.soft_tokens > longest for image in request.images):  # one image is one prefill call
+            raise ValueError(f"an image of more soft tokens than the largest prefill chunk ({longest})")
+        if request.images and (self.runner.vision is None or not graph.image_blocks):
+            raise ValueError("this engine has no vision encoder and image-block graph for the request's images")
+        constraint = self.constraints(request.constraint, request.thought_budget)
+        sampler = Sampler(request.sampling, graph.vocab_size, request.prompt_ids, graph.host_softcap,
+                          constraint=constraint, stop_ids=sorted(self.eos_ids), min_tokens=request.min_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens)
+        seq.start(sampler, detok, StopMatcher(request.stop), constraint)
+
+    def _sweep(self) -> None:
+        """A prefilling sequence that was cancelled, or whose host work failed, ends now, not when its chunk comes up:
+        checked between any two graph calls, so its slot is free within one step."""
+        for seq in self.scheduler.prefilling:
+            failed = next((work.exception() for work in seq.preparing if work.done() and work.exception()), None)
+            if seq.handle.cancelled.is_set():
+                seq.reason = "cancelled"
+            elif failed is not None:
+                seq.reason, seq.error = "error", f"{type(failed).__name__}: {failed}"
+            else:
+                continue
+            self._end(seq)
+
+    def _run(self, step: Step) -> None:
+        """One graph call, then its postprocess. A fault ends the step's requests (their slots reset); the others go on."""
+        rows = step.rows
+        try:
+            if isinstance(step, DecodeStep):
+                logits: torch.Tensor | None = self.runner.decode(rows, on_submit=self._publish_held)  # [B, V]
+            else:
+                logits = self._prefill(step)  # [1, V], or None: no token to sample now
+        except Abandoned:  # the watchdog already ended these requests
+            self._fail(rows, None)
+            return
+        except Exception as exc:  # noqa: BLE001 - this step's requests fail, the engine keeps serving
+            log.exception("request %s failed in the graph", ", ".join(seq.handle.request.request_id for seq in rows))
+            self._fail(rows, f"{type(exc).__name__}: {exc}")
+            return
+        if logits is not None:
+            self._postprocess(rows, logits)
+
+    def _publish_held(self) -> None:
+        for seq in self.scheduler.decoding:
+            seq.publish_pending()
+
+    def _prefill(self, step: PrefillStep) -> torch.Tensor | None:
+        """One chunk of a prompt; after its last, the logits [1, V] its first token is sampled from (None: no token to
+        sample now)."""
+        seq = step.seq
+        scored = seq.prompt_logprobs is not None
+        # [1, T, V] when the prompt is scored, else [1, 1, V] of the chunk's last position
+        logits = self.runner.prefill(seq, step.begin, step.end, last_only=not scored, on_submit=self._publish_held)
+        seq.prefill_calls += 1
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs += self._score_prompt(seq, step.begin, step.end, logits)
+        if not step.last:
+            return None
+        logits = logits[:, -1:]  # [1, 1, V]
+        assert seq.kv is not None
+        seq.kv.keep(seq.prompt_keys, logits)  # [1, 1, V]
+        if seq.prompt_logprobs is not None:
+            seq.handle.publish(PromptLogprobs(seq.token_ids[0], tuple(seq.prompt_logprobs)))
+        if seq.budget == 0:  # the prompt was all it asked for (max_tokens 0): no token is sampled
+            seq.reason = "length"
+            self._end(seq)
+            return None
+        return logits.reshape(1, -1)  # [1, V]
+
+    def _score_prompt(self, seq: Sequence, begin: int, end: int, logits: torch.Tensor) -> list[TokenLogprob]:
+        """The logprobs of prompt tokens begin+1..end (those the chunk's positions predict; the prompt's last position
+        predicts the first generated token instead) from the chunk's logits [1, T, V], soft-capped as the sampler's."""
+        if logits.shape[1] != end - begin:  # a graph that hands back fewer positions than it was given
+            raise RuntimeError(f"the {self.graph.name} graph returned logits for {logits.shape[1]} of {end - begin} "
+                               "positions: prompt logprobs need every position's")
+        targets = seq.token_ids[begin + 1 : min(end + 1, seq.num_prompt_tokens)]  # position p predicts token p + 1
+        rows = logits[0, : len(targets)]  # [T', V]
+        scored = prompt_logprobs(rows, targets, seq.handle.request.prompt_logprobs or 0, self.graph.host_softcap)
+        return [TokenLogprob(token, logprob, tuple(best)) for token, (logprob, best) in zip(targets, scored, strict=True)]
+
+    def _postprocess(self, rows: collections.abc.Sequence[Sequence], logits: torch.Tensor) -> None:
+        """Each row's next token from its row of `logits` [B, V]: the sequence ends there, or its Delta is held until
+        the next graph call submits."""
+        for seq, result in zip(rows, sample_rows([seq.sampler for seq in rows], logits), strict=True):
+            delta = seq.append(result)
+            if seq.reason is None:
+                seq.pending, seq.state = delta, State.DECODING
+            else:
+                self._end(seq, delta)
+
+    # ----------------------------------------------------------------- how a request ends (any thread)
+
+    def _fail(self, rows: collections.abc.Sequence[Sequence], error: str | None) -> None:
+        """A step failed: its requests end with `error` (None: already ended by the watchdog), their slots reset (the
+        cache's contents are no longer trusted). An abandoned call has returned (or raised): the device answers again."""
+        with self._lock:
+            self._watch.recovered()
+        for seq in rows:
+            if seq.kv is not None:
+                seq.kv.reset()
+            self.scheduler.remove(seq)
+            seq.publish_pending()
+            if error is not None:
+                seq.reason, seq.error = "error", error
+                self._retire(seq, seq.finish()[1])
+
+    def _end(self, seq: Sequence, last: Delta | None = None) -> None:
+        """`seq` ended (its reason set): its slot freed, its last token's Delta (out first: a failing flush cannot lose
+        it), the held-back text, then the Finish."""
+        self.scheduler.remove(seq)
+        if last is not None:
+            seq.handle.publish(last)
+        tail, finish = seq.finish()
+        self._retire(seq, *(delta for delta in (tail,) if delta is not None), finish)
+
+    def abandon(self, rows: collections.abc.Sequence[Sequence], message: str) -> None:
+        """The watchdog gave up on the graph call of `rows` (it holds the lock; the worker is inside the call and
+        touches them again only after reading `abandoned` under it): they end with `message` now."""
+        for seq in rows:
+            seq.reason, seq.error = "error", message
+            self._retire(seq, seq.finish()[1])
+
+    def _expire(self, seq: Sequence) -> None:
+        """End a request whose limit ran out before it reached the device: no work nobody can wait for."""
+        log.warning("request %s hit its wall-clock limit while queued", seq.handle.request.request_id)
+        self._retire(seq, self._unrun(seq, "length", timed_out=True))
+
+    @staticmethod
+    def _unrun(seq: Sequence, reason: str, prompt: int | None = None, **extra: Any) -> Finish:
+        """The Finish of a request that never ran: no completion tokens, no graph calls, `prompt` the prompt's length
+        unless given."""
+        return finish_event(seq.handle, reason, seq.num_prompt_tokens if prompt is None else prompt, 0, **extra)
+
+    def _retire(self, seq: Sequence, *events: Event) -> None:
+        """The one way a request ends: its record finished, then its last events, the Finish last. A request that
+        already ended (the watchdog abandoned it while its call ran) gets nothing more."""
+        with self._lock:
+            if seq.finished:
+                return
+            seq.state = State.FINISHED
+        for event in events:
+            seq.handle.publish(event)
