@@ -135,7 +135,7 @@ def test_a_choice_runs_after_the_one_before_it_and_finds_its_prompt_cached(walk:
     """n > 1: the second choice of the same prompt waits (a slot is free) until the first ended, then samples from the
     first's kept logits: no graph call for its prompt."""
     prompt = prompt_of(10)
-    first, second = walk.submit(prompt, 2), walk.submit(prompt, 2)
+    first, second = walk.choices(prompt, 2, 2)
     walk.core.step()
     assert walk.core.records[second].state is State.WAITING and walk.core.scheduler.has_room
     while walk.core.step() is not None:
@@ -155,3 +155,13 @@ def test_a_cancelled_prefill_ends_between_two_calls(walk: Walk) -> None:
     finish = walk.finish(long)
     assert finish is not None and finish.reason == "cancelled" and len(walk.graph.log) == 1
     assert not walk.core.busy and len(walk.core.scheduler.slots.free) == 4
+
+
+def test_the_same_prompt_submitted_apart_runs_side_by_side(walk: Walk) -> None:
+    """Only the choices of one submission wait for each other: two users' identical prompts take two slots at once."""
+    prompt = prompt_of(6)
+    first, second = walk.submit(prompt, 3), walk.submit(prompt, 3)
+    for _ in range(3):  # first's prefill, its decode step, second's prefill
+        walk.core.step()
+    assert [walk.core.records[h].state for h in (first, second)] == [State.DECODING, State.DECODING]
+    assert len({call.slots for call in walk.graph.log if call.kind == "prefill"}) == 2

@@ -78,11 +78,12 @@ class EngineCore:
     # ----------------------------------------------------------------- the records (any thread, under the lock)
 
     def add(self, handles: collections.abc.Sequence[RequestHandle]) -> list[Sequence]:
-        """New requests, waiting in submission order; one with the prompt of one before it runs after that one."""
+        """New requests, waiting in submission order. Among them, one with the prompt of one before it (the choices of
+        one request) runs after that one; requests submitted apart run side by side, whatever their prompts."""
         with self._lock:
             for handle in [h for h, seq in self.records.items() if seq.finished and h.delivered]:
                 del self.records[handle]
-            last = {prompt_keys(seq.handle.request): seq for seq in self.records.values() if not seq.finished}
+            last: dict[tuple[int, ...], Sequence] = {}
             added = []
             for handle in handles:
                 request, key = handle.request, prompt_keys(handle.request)  # the images' content too

@@ -76,11 +76,15 @@ class Walk:
         self._seen: dict[RequestHandle, list[Event]] = {}
 
     def submit(self, prompt: Sequence[int], new_tokens: int, **fields: Any) -> RequestHandle:
+        return self.choices(prompt, new_tokens, 1, **fields)[0]
+
+    def choices(self, prompt: Sequence[int], new_tokens: int, n: int, **fields: Any) -> list[RequestHandle]:
+        """`n` requests of one submission (an n > 1 request's choices)."""
         request = GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=new_tokens,
                                     **{"sampling": GREEDY, "ignore_eos": True, **fields})
-        handle = RequestHandle(request, self.loop)
-        self.core.add([handle])
-        return handle
+        handles = [RequestHandle(request, self.loop) for _ in range(n)]
+        self.core.add(handles)
+        return handles
 
     def events(self, handle: RequestHandle) -> list[Event]:
         """Every event published to `handle` so far, in order."""
