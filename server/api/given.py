@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from server.engine.types import GenerationRequest, ImageInput, RequestHandle
+from server.engine.types import GenerationRequest, ImageInput, RequestHandle, Tokenizer
 from server.protocol.base import ChatProtocol
 
 
@@ -40,9 +40,7 @@ class ModelInfo:
     max_total: int  # context: prompt + completion
     vocab_size: int
     generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
-    # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
-    # server.model.tokenizer.HostTokenizer's serving surface
-    tokenizer: Any
+    tokenizer: Tokenizer
     # The model family's chat format (server.protocol), detected once at start-up: the API renders prompts, parses
     # output and plans constraints through it.
     protocol: ChatProtocol

@@ -46,6 +46,7 @@ from server.engine.types import (
     PromptLogprobs,
     QueueFull,
     RequestHandle,
+    Tokenizer,
     TokenLogprob,
     prompt_keys,
 )
@@ -69,7 +70,7 @@ class Engine:
     _runner: Runner
     _scheduler: Scheduler
 
-    def __init__(self, embedding: HostEmbedding, tokenizer: object, eos_token_ids: collections.abc.Sequence[int],
+    def __init__(self, embedding: HostEmbedding, tokenizer: Tokenizer, eos_token_ids: collections.abc.Sequence[int],
                  load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
                  step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
                  constraints: Callable[[ConstraintSpec], TokenConstraint] | None = None, max_batch: int = 0,
