@@ -6,6 +6,7 @@ The engine's refusals and a Finish's errors become HTTP statuses here (`engine_e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -84,7 +85,7 @@ class Service:
             handle.cancel()
             task = asyncio.ensure_future(self._await_finish(handle))
             self._waiters[handle] = task
-            task.add_done_callback(lambda _, handle=handle: self._waiters.pop(handle, None))
+            task.add_done_callback(functools.partial(self._waiters.pop, handle))  # pop(handle, task): never raises
 
     async def _await_finish(self, handle: RequestHandle) -> None:
         try:
@@ -111,7 +112,7 @@ class Service:
         consumer = asyncio.ensure_future(asyncio.gather(*(collect(self.events(handle)) for handle in handles)))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not consumer.done():
