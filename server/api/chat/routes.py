@@ -16,10 +16,10 @@ Deliberate choices:
   `local-completions`: token-id prompts, `max_tokens` 1, `logprobs` 1, `echo`). Such a prompt is prefilled whole (no
   cached prefix: the cache keeps no logits) and bounded by --max-prompt-logprobs; `max_tokens` 0 (with echo) asks for
   the prompt alone, as vLLM takes it.
-- `n > 1` and a list of prompts: the choices are admitted together (all or none) and run one after another on the
-  batch-1 device; the 2nd..nth choice of a prompt finds it in the cache and runs no prefill. A stream sends each
-  choice's chunks in turn, every chunk naming its `index`. `best_of` is refused: it would generate choices nobody
-  sees.
+- `n > 1` and a list of prompts: the choices are admitted together (all or none). A prompt's choices run one after
+  another in one KV slot, so the 2nd..nth finds it in the cache and runs no prefill; other prompts, and other
+  requests, run beside them where there are slots. A stream sends each choice's chunks in turn, every chunk naming
+  its `index`. `best_of` is refused: it would generate choices nobody sees.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ class OpenAIRoutes:
 
     async def _stream(self, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
-        """The choices one after another (they run so on the device), each chunk naming its choice's index."""
+        """The choices in turn, each chunk naming its choice's index: one that runs beside an earlier choice (another
+        prompt of the list) keeps its events queued until that one has ended."""
         envelope = fmts[0].envelope
         try:
             for fmt in fmts:
