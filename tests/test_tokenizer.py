@@ -614,3 +614,14 @@ def test_stale_partial_files_are_cleaned_up(tmp_path: Path) -> None:
     os.utime(stale, (1, 1))
     HostTokenizer.from_dir(cfg, cache_dir=cache)
     assert not stale.exists() and fresh.exists()  # a fresh one may be another start's write in progress
+
+
+def test_host_tokenizer_is_the_tokenizer_the_api_and_the_engine_take(tmp_path: Path) -> None:
+    """server.engine.types.Tokenizer is a Protocol, which nothing checks at run time: the type checker holds
+    HostTokenizer to it (every method and attribute, with their signatures), with pyproject's settings."""
+    check = tmp_path / "served.py"
+    check.write_text("from server.engine.types import Tokenizer\nfrom server.model.tokenizer import HostTokenizer\n"
+                     "def served(tokenizer: HostTokenizer) -> Tokenizer:\n    return tokenizer\n")
+    done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), str(check)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from server.engine.types import GenerationRequest, ImageInput, RequestHandle
+from server.engine.types import GenerationRequest, ImageInput, RequestHandle, Tokenizer
 from server.protocol.base import ChatProtocol
+
+if TYPE_CHECKING:
+    from server.constraints.vocab import GrammarVocab  # its module loads llguidance: only the type is needed here
 
 
 class GrammarSource(Protocol):
@@ -18,7 +21,7 @@ class GrammarSource(Protocol):
     def start(self) -> None: ...
     @property
     def started(self) -> bool: ...
-    def wait(self, timeout: float) -> Any: ...  # a GrammarVocab, or None while it builds; RuntimeError if it failed
+    def wait(self, timeout: float) -> GrammarVocab | None: ...  # None while it builds; RuntimeError if it failed
 
 
 class ImageReader(Protocol):
@@ -40,9 +43,7 @@ class ModelInfo:
     max_total: int  # context: prompt + completion
     vocab_size: int
     generation_defaults: Mapping[str, float]  # generation_config.json's sampling fields
-    # encode, decode, convert_ids_to_tokens, apply_chat_template(messages, ..., tools=..., **template_vars):
-    # server.model.tokenizer.HostTokenizer's serving surface
-    tokenizer: Any
+    tokenizer: Tokenizer
     # The model family's chat format (server.protocol), detected once at start-up: the API renders prompts, parses
     # output and plans constraints through it.
     protocol: ChatProtocol

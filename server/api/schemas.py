@@ -171,7 +171,7 @@ class Message(BodyPart):
                 raise PydanticCustomError("invalid_content", "content: {message}",
                                           {"message": str(exc), "loc": "content"}) from None
             data = {**data, "content": text}
-        message = handler(data)
+        message: Message = handler(data)
         if images:
             message._images = images
         return message

@@ -1,4 +1,5 @@
-"""What the routes drive (`Service`): the engine's requests, their metrics and logging, client disconnects and drain.
+"""What the routes drive (`Service`): the engine's requests and their answers (a stream, or one JSON body), their
+metrics and logging, client disconnects and drain.
 
 The engine's refusals and a Finish's errors become HTTP statuses here (`engine_error`, `finish_error`), nowhere else.
 """
@@ -6,14 +7,18 @@ The engine's refusals and a Finish's errors become HTTP statuses here (`engine_e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from server.api.given import EngineAPI
 from server.api.metrics import Metrics
+from server.api.sse import GenerationStream
 from server.config import Settings
 from server.engine.types import (
     Completion,
@@ -30,10 +35,6 @@ from server.engine.types import (
 from server.errors import APIError
 
 log = logging.getLogger("server.api")
-
-
-class ClientGone(Exception):
-    """The client disconnected while its non-streaming request was waiting; the request was cancelled."""
 
 
 class Service:
@@ -84,7 +85,7 @@ class Service:
             handle.cancel()
             task = asyncio.ensure_future(self._await_finish(handle))
             self._waiters[handle] = task
-            task.add_done_callback(lambda _, handle=handle: self._waiters.pop(handle, None))
+            task.add_done_callback(functools.partial(self._waiters.pop, handle))  # pop(handle, task): never raises
 
     async def _await_finish(self, handle: RequestHandle) -> None:
         try:
@@ -105,13 +106,17 @@ class Service:
                  ttft, rate, finish.queue_wait_s, finish.total_s, finish.reason,
                  " (wall-clock limit)" if finish.timed_out else "", f" error={finish.error}" if finish.error else "")
 
-    async def collect(self, request: Request, handles: Sequence[RequestHandle]) -> list[Completion]:
-        """Run non-streaming requests (one request's choices) to their end, cancelling them all at once if the client
-        disconnects meanwhile (ClientGone). A choice that ended in an error raises it (see `events`)."""
+    async def answer(self, request: Request, handles: Sequence[RequestHandle], stream: AsyncIterator[bytes] | None,
+                     whole: Callable[[list[Completion]], dict[str, Any]]) -> Response:
+        """How every generation route answers one request's choices: `stream`, released however it ends; or without
+        one, the choices run to their end and `whole` of them as the JSON body, all cancelled at once if the client
+        disconnects meanwhile (then 499). A choice that ended in an error raises it (see `events`)."""
+        if stream is not None:
+            return GenerationStream(stream, functools.partial(self.release, *handles), ping_s=self.settings.sse_ping_s)
         consumer = asyncio.ensure_future(asyncio.gather(*(collect(self.events(handle)) for handle in handles)))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not consumer.done():
@@ -119,8 +124,8 @@ class Service:
                     handle.cancel()
                 consumer.cancel()
         if not consumer.done() or consumer.cancelled():
-            raise ClientGone
-        return consumer.result()
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        return JSONResponse(whole(consumer.result()))
 
     def stream_failure(self, exc: Exception, stream_id: str) -> APIError:
         """A stream that failed after its headers were sent: counted, logged if it is a bug, and the APIError the

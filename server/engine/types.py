@@ -1,4 +1,4 @@
-"""What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors.
+"""What the HTTP layer and the engine exchange, torch-free: requests, events, the engine's own errors, the tokenizer.
 
 - Requests are built by keyword only, so a new optional field (`constraint`, `min_tokens`, ...) never shifts another.
 - The engine's errors carry what a caller needs (the state, a retry-after) and no HTTP: `api/` maps them to statuses.
@@ -10,15 +10,31 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from server.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    import tokenizers
+
     from server.constraints.constraint import ConstraintSpec
     from server.constraints.thought import ThoughtBudget
+
+
+class Tokenizer(Protocol):
+    """The tokenizer as the API and the engine call it (server.model.tokenizer.HostTokenizer is one): the API renders,
+    encodes and decodes; the engine's detokenizer decodes with the Rust tokenizer itself (`backend_tokenizer`)."""
+
+    @property
+    def backend_tokenizer(self) -> tokenizers.Tokenizer: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def convert_ids_to_tokens(self, token_id: int) -> str | None: ...
+    # `messages` and the template variables are the template's JSON, whatever the chat format puts there.
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+                            **kwargs: Any) -> str: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -22,6 +22,9 @@ from server.constraints.constraint import ConstraintSpec
 from server.constraints.planner import plan_constraint
 from server.errors import APIError, InvalidRequest
 from server.protocol import ChatProtocol, PromptInputs
+
+if TYPE_CHECKING:
+    from server.constraints.vocab import GrammarVocab
 
 # A constrained request that arrives while the grammar vocabulary is still building (the first 15-60 s after start-up)
 # waits this long for it, then gets a 503 with Retry-After.
@@ -57,7 +60,7 @@ class OutputConstraints:
                                param=name, code="invalid_value")
         return spec
 
-    async def _vocab(self) -> Any:
+    async def _vocab(self) -> GrammarVocab:
         if self.grammar is None:
             raise APIError(500, "This server was started without a grammar vocabulary.", code="grammar_unavailable")
         try:

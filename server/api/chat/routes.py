@@ -16,10 +16,10 @@ Deliberate choices:
   `local-completions`: token-id prompts, `max_tokens` 1, `logprobs` 1, `echo`). Such a prompt is prefilled whole (no
   cached prefix: the cache keeps no logits) and bounded by --max-prompt-logprobs; `max_tokens` 0 (with echo) asks for
   the prompt alone, as vLLM takes it.
-- `n > 1` and a list of prompts: the choices are admitted together (all or none) and run one after another on the
-  batch-1 device; the 2nd..nth choice of a prompt finds it in the cache and runs no prefill. A stream sends each
-  choice's chunks in turn, every chunk naming its `index`. `best_of` is refused: it would generate choices nobody
-  sees.
+- `n > 1` and a list of prompts: the choices are admitted together (all or none). A prompt's choices run one after
+  another in one KV slot, so the 2nd..nth finds it in the cache and runs no prefill; other prompts, and other
+  requests, run beside them where there are slots. A stream sends each choice's chunks in turn, every chunk naming
+  its `index`. `best_of` is refused: it would generate choices nobody sees.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from server.api.schemas import (
     SamplingFields,
     TokenizeRequest,
 )
-from server.api.service import ClientGone, Service
-from server.api.sse import DONE, GenerationStream, frame
+from server.api.service import Service
+from server.api.sse import DONE, frame
 from server.constraints.constraint import ConstraintSpec
 from server.constraints.thought import ThoughtBudget
-from server.engine.types import Delta, Finish, GenerationRequest, PromptLogprobs, RequestHandle, SamplingParams
+from server.engine.types import Completion, Delta, Finish, GenerationRequest, PromptLogprobs, RequestHandle, SamplingParams
 from server.errors import APIError
 from server.protocol import PromptInputs
 from server.protocol.base import UNLIMITED, reasoning_budget
@@ -124,19 +124,17 @@ class OpenAIRoutes:
 
     async def _respond(self, request: Request, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                        stream: bool, include_usage: bool) -> Response:
-        if stream:
-            return GenerationStream(self._stream(handles, fmts, n, include_usage),
-                                    functools.partial(self.service.release, *handles), ping_s=self.settings.sse_ping_s)
-        try:
-            done = await self.service.collect(request, handles)
-        except ClientGone:
-            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        choices = [fmt.choice(c) for fmt, c in zip(fmts, done, strict=True)]
-        return JSONResponse(fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n)))
+        def whole(done: list[Completion]) -> dict[str, Any]:
+            choices = [fmt.choice(c) for fmt, c in zip(fmts, done, strict=True)]
+            return fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n))
+
+        return await self.service.answer(request, handles, self._stream(handles, fmts, n, include_usage) if stream else None,
+                                         whole)
 
     async def _stream(self, handles: Sequence[RequestHandle], fmts: Sequence[Format], n: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
-        """The choices one after another (they run so on the device), each chunk naming its choice's index."""
+        """The choices in turn, each chunk naming its choice's index: one that runs beside an earlier choice (another
+        prompt of the list) keeps its events queued until that one has ended."""
         envelope = fmts[0].envelope
         try:
             for fmt in fmts:
@@ -250,13 +248,13 @@ class OpenAIRoutes:
         ids = await self.prompts.chat_ids([Message(role="user", content=body.prompt)])
         handles = self.submit([ids], body.max_new_tokens, "prompt", 1, sampling=SamplingParams(temperature=0.0),
                               request_id=f"gen-{request.state.completion_id}")
-        try:
-            (done,) = await self.service.collect(request, handles)
-        except ClientGone:
-            return Response(status_code=499)
-        finish = done.finish
-        return JSONResponse({"prompt": body.prompt, "response": done.text, "prompt_tokens": finish.prompt_tokens,
-                             "gen_tokens": finish.completion_tokens, "finish_reason": finish.reason})
+
+        def whole(done: list[Completion]) -> dict[str, Any]:
+            finish = done[0].finish
+            return {"prompt": body.prompt, "response": done[0].text, "prompt_tokens": finish.prompt_tokens,
+                    "gen_tokens": finish.completion_tokens, "finish_reason": finish.reason}
+
+        return await self.service.answer(request, handles, None, whole)
 
     # ------------------------------------------------------------------ tokenizer routes and models
 

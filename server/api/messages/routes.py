@@ -24,9 +24,9 @@ from server.api.messages.builder import MessageBuilder, final_delta, finished, m
 from server.api.messages.schemas import CountTokensRequest, MessagesRequest, PromptBody
 from server.api.messages.translate import chat_request, check_images, in_messages_terms
 from server.api.schemas import ChatCompletionRequest
-from server.api.service import ClientGone, Service
-from server.api.sse import GenerationStream, frame
-from server.engine.types import Delta, RequestHandle
+from server.api.service import Service
+from server.api.sse import frame
+from server.engine.types import Completion, Delta, RequestHandle
 from server.errors import AnthropicError, APIError
 
 PING = {"type": "ping"}
@@ -65,17 +65,15 @@ class MessagesRoutes:
         shell = message_shell(message_id, plan.model, len(plan.ids))
         thinking = body.thinking
         builder = MessageBuilder(plan.new_parser(), show_thinking=thinking is None or thinking.display != "omitted")
-        if body.stream:
-            return GenerationStream(self._stream(handle, builder, shell), lambda: self.service.release(handle),
-                                    ping_s=self.settings.sse_ping_s)
-        try:
-            (done,) = await self.service.collect(request, [handle])
-        except ClientGone:
-            return Response(status_code=499)
-        for delta in done.deltas:
-            builder.feed(delta)
-        builder.finish()
-        return JSONResponse(finished(shell, builder, done.finish))
+
+        def whole(done: list[Completion]) -> dict[str, Any]:
+            for delta in done[0].deltas:
+                builder.feed(delta)
+            builder.finish()
+            return finished(shell, builder, done[0].finish)
+
+        return await self.service.answer(request, [handle], self._stream(handle, builder, shell) if body.stream else None,
+                                         whole)
 
     async def _stream(self, handle: RequestHandle, builder: MessageBuilder,
                       shell: dict[str, Any]) -> AsyncIterator[bytes]:

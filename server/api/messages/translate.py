@@ -18,12 +18,13 @@ as the translation).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from server.api.http import parse
+from server.api.chat.plan import Terms, translated
 from server.api.messages.schemas import (
     ImageBlock,
     InputMessage,
@@ -169,11 +170,7 @@ def chat_request(body: PromptBody) -> ChatCompletionRequest:
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k)
-    raw = json.dumps({key: value for key, value in fields.items() if value is not None}).encode()
-    try:
-        return parse(ChatCompletionRequest, raw)
-    except APIError as exc:
-        raise in_messages_terms(exc, body) from None
+    return translated(fields, lambda exc: in_messages_terms(exc, body))
 
 
 _RENAMED = (("response_format.json_schema.schema", "output_config.format.schema"),
@@ -182,18 +179,9 @@ _RENAMED = (("response_format.json_schema.schema", "output_config.format.schema"
             ("chat_template_kwargs", "thinking"), ("stop", "stop_sequences"),
             ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"))
 _TOOL_FUNCTION = re.compile(r"^(tools\[\d+\])\.function(?:\.parameters\b)?")
-
-
-def _renamed(param: str, places: Mapping[str, str]) -> str:
-    if param in places:
-        return places[param]  # an image part: the block it came from
-    if param == "messages" or param.startswith(("messages.", "messages[")):
-        return "messages"  # chat message indices are not Messages indices (the system prompt, tool results)
-    for old, new in _RENAMED:
-        if param == old or param.startswith((old + ".", old + "[")):
-            return new + param[len(old):]
-    return _TOOL_FUNCTION.sub(lambda m: m.group(1) + (".input_schema" if m.group(0).endswith("parameters") else ""),
-                              param)
+# Chat's message indices are not Messages indices (the system prompt, tool results): any of them is `messages`.
+_TERMS = Terms("messages", _RENAMED, functools.partial(_TOOL_FUNCTION.sub, lambda m: m.group(1) + (
+    ".input_schema" if m.group(0).endswith("parameters") else "")))
 
 
 def in_messages_terms(exc: APIError, body: PromptBody | None = None) -> AnthropicError:
@@ -201,9 +189,8 @@ def in_messages_terms(exc: APIError, body: PromptBody | None = None) -> Anthropi
     was translated from: an error about an image part names its image block)."""
     if not exc.param:
         return AnthropicError.of(exc)
-    places: dict[str, str] = {}
+    places: dict[str, str] = {}  # an image part's chat param -> the block it came from
     if body is not None and exc.param.startswith("messages["):
         chat_messages(body.system, body.messages, places)  # the same walk as the translation, to find the block
-    param = _renamed(exc.param, places)
-    message = param + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+    param, message = _TERMS.renamed(exc.param, exc.message, places)
     return AnthropicError(exc.status, message, param=param, code=exc.code, headers=exc.headers)

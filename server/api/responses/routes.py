@@ -26,9 +26,9 @@ from server.api.responses.builder import OutputBuilder, finished, listed_item, r
 from server.api.responses.schemas import INPUT_ITEMS, ReasoningConfig, ResponsesRequest
 from server.api.responses.store import ResponseStore
 from server.api.responses.translate import chat_request, in_responses_terms
-from server.api.service import ClientGone, Service
-from server.api.sse import GenerationStream, frame
-from server.engine.types import Delta, RequestHandle
+from server.api.service import Service
+from server.api.sse import frame
+from server.engine.types import Completion, Delta, RequestHandle
 from server.errors import APIError
 
 log = logging.getLogger("server.api")
@@ -82,19 +82,16 @@ class ResponsesRoutes:
             if not self.store.put(response, [*conversation, *response["output"]], inputs):
                 log.warning("%s: not stored (larger than --responses-store-bytes, or storing is off)", response_id)
 
-        if body.stream:
-            return GenerationStream(self._stream(handle, builder, shell, keep),
-                                    lambda: self.service.release(handle), ping_s=self.settings.sse_ping_s)
-        try:
-            (done,) = await self.service.collect(request, [handle])
-        except ClientGone:
-            return Response(status_code=499)
-        for delta in done.deltas:
-            builder.feed(delta)
-        builder.finish(done.finish.reason)
-        response = finished(shell, builder, done.finish)
-        keep(response)
-        return JSONResponse(response)
+        def whole(done: list[Completion]) -> dict[str, Any]:
+            for delta in done[0].deltas:
+                builder.feed(delta)
+            builder.finish(done[0].finish.reason)
+            response = finished(shell, builder, done[0].finish)
+            keep(response)
+            return response
+
+        return await self.service.answer(request, [handle],
+                                         self._stream(handle, builder, shell, keep) if body.stream else None, whole)
 
     async def _stream(self, handle: RequestHandle, builder: OutputBuilder, shell: dict[str, Any],
                       keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:

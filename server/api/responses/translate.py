@@ -5,12 +5,12 @@ field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the ch
 
 from __future__ import annotations
 
-import json
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from server.api.http import parse
+from server.api.chat.plan import Terms, translated
 from server.api.responses.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -74,32 +74,19 @@ def chat_request(body: ResponsesRequest, items: Sequence[InputItem]) -> ChatComp
         "response_format": body.text.format.chat() if body.text and body.text.format else None,
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }
-    raw = json.dumps({key: value for key, value in fields.items() if value is not None}).encode()
-    try:
-        return parse(ChatCompletionRequest, raw)
-    except APIError as exc:
-        raise in_responses_terms(exc) from None
+    return translated(fields, in_responses_terms)
 
 
 _RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("reasoning_effort", "reasoning.effort"), ("max_completion_tokens", "max_output_tokens"),
             ("chat_template_kwargs", "reasoning"))
-_TOOL_FUNCTION = re.compile(r"^(tools\[\d+\])\.function\b")
-
-
-def _renamed(param: str) -> str:
-    if param == "messages" or param.startswith(("messages.", "messages[")):
-        return "input"  # message indices are not item indices (instructions, merged calls)
-    for old, new in _RENAMED:
-        if param == old or param.startswith((old + ".", old + "[")):
-            return new + param[len(old):]
-    return _TOOL_FUNCTION.sub(r"\1", param)
+# Message indices are not item indices (instructions, merged calls): any of them is `input`.
+_TERMS = Terms("input", _RENAMED, functools.partial(re.compile(r"^(tools\[\d+\])\.function\b").sub, r"\1"))
 
 
 def in_responses_terms(exc: APIError) -> APIError:
     """A chat-path error naming the Responses field it came from."""
     if not exc.param:
         return exc
-    param = _renamed(exc.param)
-    message = param + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+    param, message = _TERMS.renamed(exc.param, exc.message)
     return APIError(exc.status, message, param=param, code=exc.code, type=exc.type, headers=exc.headers)
