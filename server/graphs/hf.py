@@ -77,7 +77,8 @@ class HFGraph:
         out = self.model(inputs_embeds=embeds, position_ids=positions, cache=self.caches[slot], use_cache=True,
                          logits_to_keep=1 if last_only else 0, attention_mask=masks)
         self.positions[slot] += t
-        return out.logits.float().cpu()  # [1, T, V]
+        logits: torch.Tensor = out.logits  # [1, T, V]
+        return logits.float().cpu()
 
     def _block_masks(self, slot: int, embeds: torch.Tensor, positions: torch.Tensor,
                      block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -108,7 +109,7 @@ class HFGraph:
 
     @torch.inference_mode()  # the cache tensors were created under inference mode: only it may update them
     def rewind_slot(self, slot: int, position: int) -> int:
-        from transformers.cache_utils import StaticSlidingWindowLayer
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
         checked_slots([slot], self.slots)
         cache, written = self.caches[slot], self.positions[slot]
@@ -123,8 +124,8 @@ class HFGraph:
             self.groups[slot].fill_(-1)
             self.positions[slot] = 0
             return 0
-        for layer in layers:
-            if layer.is_initialized:
+        for layer in layers:  # a static cache's layers: StaticLayer, or its sliding-window kind
+            if isinstance(layer, StaticLayer) and layer.is_initialized:
                 layer.crop(-(written - position))  # negative: drop that many of the newest slots
         self.positions[slot] = position
         return position

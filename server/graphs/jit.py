@@ -46,7 +46,8 @@ def load_compiled(path: Path | str, contract: str) -> torch.jit.ScriptModule:
     CPU-traced graph holds CPU tensors and loads the same way."""
     runtime = prepare_neuron_imports()
     log.info("loading compiled graph %s (%s, neuron runtime: %s)", path, contract, runtime or "none, CPU TorchScript")
-    return torch.jit.load(str(path))
+    module: torch.jit.ScriptModule = torch.jit.load(str(path))
+    return module
 
 
 def neuron_model(module: torch.jit.ScriptModule) -> Any | None:

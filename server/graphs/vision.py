@@ -55,7 +55,7 @@ class VisionGraph:
         real = int((position_ids[0] != -1).all(dim=-1).sum())
         n = real // self.spec.pooling_kernel_size**2
         out = self.module(pixel_values.to(torch.float32), position_ids)
-        tokens = out[0] if isinstance(out, tuple | list) else out  # [1, budget, H]
+        tokens: torch.Tensor = out[0] if isinstance(out, tuple | list) else out  # [1, budget, H]
         return tokens[0, :n].to(self.input_dtype)  # [N, H]
 
 
