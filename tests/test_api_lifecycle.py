@@ -22,6 +22,7 @@ from server.app.runtime import build_engine, graph_loader
 from server.app.serve import serve
 from server.graphs.base import Graph
 from tests.support.api_fixtures import LiveServer, null_host, settings, slow_loader, spawn_serve
+from tests.support.wait import wait_for_value
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
@@ -147,10 +148,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
             lines = stream.iter_lines()
             received = [next(line for line in lines if line.startswith("data: "))]
             proc.send_signal(signal.SIGTERM)
-            health = httpx.get(f"{url}/health", timeout=5)
-            while health.json()["status"] == "ok":  # the signal is handled on the server's next loop turn
-                time.sleep(0.01)
-                health = httpx.get(f"{url}/health", timeout=5)
+            # the signal is handled on the server's next loop turn
+            health = wait_for_value(lambda: httpx.get(f"{url}/health", timeout=5),
+                                    lambda answer: answer.json()["status"] != "ok", "/health to leave ok", 30)
             assert health.status_code == 503 and health.json()["status"] == "draining"
             received += list(lines)
         data = _data(received)

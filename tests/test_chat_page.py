@@ -58,10 +58,6 @@ def page(browser: Browser) -> Iterator[Page]:
         context.close()
 
 
-def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
-    wait_until(condition, what, timeout)
-
-
 def record_answer_states(page: Page) -> None:
     """Every text the last assistant message shows, in order, collected in the page as it changes."""
     page.evaluate("""() => {
@@ -191,8 +187,8 @@ def test_browser_stop_cancels_the_request_on_the_server(page: Page, tmp_path: Pa
         page.click("#stop")
 
         # The server saw the disconnect and cancelled the request: the device is free again.
-        wait_for(lambda: metric(live.url, "gemma4_requests_finished_total", reason="cancelled") == 1,
-                 "the request to be cancelled on the server")
+        wait_until(lambda: metric(live.url, "gemma4_requests_finished_total", reason="cancelled") == 1,
+                   "the request to be cancelled on the server", timeout=60)
         assert metric(live.url, "gemma4_requests_running") == 0
         assert metric(live.url, "gemma4_generation_tokens_total") < 2000
         assert "stopped" in (answer.locator(".stats").text_content() or "")
@@ -293,7 +289,7 @@ def serving(app: Starlette) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    wait_for(lambda: server.started, "the stand-in to start", 30)
+    wait_until(lambda: server.started, "the stand-in to start")
     try:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
