@@ -25,7 +25,7 @@ import pytest
 
 from server.app.runtime import build_engine, graph_loader
 from server.graphs.base import Graph
-from tests.support.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
+from tests.support.api_fixtures import LiveServer, SlowGraph, live_server, null_host, settings, slow_loader, spawn_serve
 from tests.support.wait import wait_for_value, wait_until
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -116,8 +116,7 @@ def test_a_graph_that_fails_to_load_answers_503_everywhere_at_once_and_keeps_say
         raise OSError("NEURON_RT: no NeuronCores available")
 
     config = settings()
-    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start(wait_ready=False)
-    try:
+    with live_server(config, build_engine(null_host(), config, load=load), wait_ready=False) as live:
         live.wait_state("error")
         with httpx.Client(base_url=live.url, timeout=5) as client:  # a hang would time out
             requests = [
@@ -139,8 +138,6 @@ def test_a_graph_that_fails_to_load_answers_503_everywhere_at_once_and_keeps_say
             assert client.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
             assert client.get("/v1/models").status_code == 200
         assert error_count(live, 503) >= 4
-    finally:
-        live.stop()
 
 
 # ------------------------------------------------------------------------------------- a stalled graph call
