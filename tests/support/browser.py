@@ -21,7 +21,8 @@ WAIT_MS = 120_000  # a page's default wait: generous, as the deadlines of tests/
 
 @contextmanager
 def launched_chromium() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), "the browser tests need Debian's chromium: apt-get install -y chromium"
+    assert Path(CHROMIUM).exists(), ("the browser tests need Debian's chromium: bash scripts/setup-test-machine.sh installs it "
+                                   "(the README's test command runs it first)")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
