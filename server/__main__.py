@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from server.config import GRAPH_KINDS, Settings, add_options
 from server.model.artifacts import DEFAULT_REPO
-from server.tools.demo import DEFAULT_DEMO_MODEL, DEMO_MODELS
+from server.tools.demo import DEFAULT_DEMO_MODEL, DEMO_MODELS, DemoModel
 
 DEMO_GRAPHS = ("hf", "null")
 DEMO_MODEL_ENV = "DEMO_MODEL"
@@ -30,10 +31,21 @@ def build_parser() -> argparse.ArgumentParser:
                      "Try it on any machine with `python -m server demo`; `python -m server COMMAND --help` lists a "
                      "command's flags.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_demo, _add_check, _add_fetch, _add_export, _add_bench):  # the order --help lists
+        add(sub)
+    return parser
 
+
+# what add_subparsers returns: argparse names it only privately
+_Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_serve(sub: _Subcommands) -> None:
     serve = sub.add_parser("serve", help="serve an artifact directory over the OpenAI-compatible HTTP API")
     add_options(serve)
 
+
+def _add_demo(sub: _Subcommands) -> None:
     demo = sub.add_parser("demo", help=f"serve an embedded small model on CPU (default {DEFAULT_DEMO_MODEL}, a chat "
                           "model; exported once into a cache)")
     demo.add_argument("--model", dest="demo_model", choices=tuple(DEMO_MODELS), default=None,
@@ -45,11 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "with --null-step-ms for a simulated device) (default: hf)")
     add_options(demo, names=tuple(n for n in Settings.__slots__ if n not in ("artifacts", "graph")))
 
+
+def _add_check(sub: _Subcommands) -> None:
     check = sub.add_parser("check", help="exit 0 if the artifact directory is complete for the graph, else say why")
     check.add_argument("--artifacts", required=True, type=Path, metavar="DIR", help="the artifact directory to check")
     check.add_argument("--graph", default="auto", choices=GRAPH_KINDS,
                        help="the graph kind it must serve; auto: the compiled graph if present, else hf (default: auto)")
 
+
+def _add_fetch(sub: _Subcommands) -> None:
     fetch = sub.add_parser("fetch", help="download the artifacts of a Hugging Face repo, then validate them")
     fetch.add_argument("--repo", required=True, metavar="ID", help=f"Hugging Face repo id (the published build: {DEFAULT_REPO})")
     fetch.add_argument("--dest", required=True, type=Path, metavar="DIR",
@@ -58,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--graph", default="auto", choices=GRAPH_KINDS,
                        help="the graph kind the download must serve, checked afterwards (default: auto)")
 
+
+def _add_export(sub: _Subcommands) -> None:
     export = sub.add_parser("export", help="a transformers checkpoint dir or .gguf file -> an artifact dir (hf graph)")
     export.add_argument("--from", dest="source", required=True, type=Path, metavar="CHECKPOINT_DIR_OR_GGUF",
                         help="a transformers checkpoint directory or a .gguf file")
@@ -72,9 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host: also keep the vision tower and its projection (vision.safetensors), for serve "
                              "--vision host; off: the text model only (default: off)")
 
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
+                        help="also write the results here, as one JSON object")
+
+
+def _add_bench(sub: _Subcommands) -> None:
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
-    bench.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
-                       help="also write the results here, as one JSON object")
+    _add_json(bench)
     add_options(bench, names=("cache_dir",), helps={
         "cache_dir": "where the bench keeps its 1.5 GB table of the 26B's shapes and the tokenizer's start-up caches "
                      "(built on the first run, reused after)"})
@@ -90,23 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --artifacts: its graph kind (default: jit)")
     parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
+    _add_bench_parts(parts)
+
+
+def _add_bench_parts(parts: _Subcommands) -> None:
     load = parts.add_parser("load", help="anonymous memory while a graph loads (v2 separate weights vs inside)")
     load.add_argument("--artifacts", type=Path, required=True, metavar="DIR", help="the artifact directory to load")
     load.add_argument("--graph", default="jit", choices=GRAPH_KINDS, help="graph kind to load (default: jit)")
-    load.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
-                      help="also write the results here, as one JSON object")
+    _add_json(load)
     masks = parts.add_parser("constraints", help="the constraint mask's cost per token on a tokenizer directory")
     masks.add_argument("cfg", type=Path, metavar="CFG_DIR", help="a tokenizer directory, e.g. the demo's cfg/")
-    masks.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
-                       help="also write the results here, as one JSON object")
+    _add_json(masks)
     vision = parts.add_parser("vision", help="the host vision encoder's time per image at each soft-token budget")
     vision.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
                         help="an export with vision.safetensors (default: a random tower of the 26B's vision shape)")
     vision.add_argument("--budgets", type=_counts, default=(70, 140, 280), metavar="N,N,...",
                         help="soft-token budgets to time (default: 70,140,280)")
-    vision.add_argument("--json", dest="json_path", type=Path, default=None, metavar="PATH",
-                        help="also write the results here, as one JSON object")
-    return parser
+    _add_json(vision)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -120,108 +144,160 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    environ = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
+class _Refused(Exception):
+    """A command refused before it started work: printed as `error: ...`, exit code 2."""
 
-    if args.command == "check":
-        from server.errors import ArtifactError
-        from server.model.artifacts import validate
 
-        try:
-            validate(args.artifacts, args.graph)
-        except ArtifactError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-        print(f"{args.artifacts}: complete for --graph {args.graph}")
-        return 0
-
-    if args.command == "export":
-        from server.tools.export import export
-
-        _setup_logging("info")
-        export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype,
-               vision=args.vision)
-        print(args.dest)
-        return 0
-
-    if args.command == "fetch":
-        from server.tools.fetch import fetch
-
-        _setup_logging("info")
-        # No token passed: huggingface_hub reads HF_TOKEN (or its stored login) itself.
-        return fetch(args.repo, args.dest, revision=args.revision, graph=args.graph)
-
-    if args.command == "bench" and args.bench_part is not None:
-        from server.tools.bench import constraints, load
-        from server.tools.bench.report import report
-
-        _setup_logging("warning")
-        if args.bench_part == "load":
-            report(load.measure_load_memory(args.artifacts, args.graph), args.json_path)
-            return 0
-        if args.bench_part == "vision":
-            from server.tools.bench import vision as vision_bench
-
-            report(vision_bench.measure(args.artifacts, args.budgets), args.json_path)
-            return 0
-        return constraints.run(args.cfg, args.json_path)
-
+def _settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     try:
         settings = Settings.from_cli(args, environ)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(exc) from exc
     assert settings.cache_dir is not None  # from_cli fills in the default
-    if args.command == "demo":
-        from server.tools.demo import DemoModelMissing, require_demo_model
+    return settings
 
-        name = args.demo_model or environ.get(DEMO_MODEL_ENV) or DEFAULT_DEMO_MODEL
-        if name not in DEMO_MODELS:
-            print(f"error: {DEMO_MODEL_ENV}: must be one of {', '.join(DEMO_MODELS)}, got {name!r}", file=sys.stderr)
-            return 2
-        model = DEMO_MODELS[name]
-        try:  # at once, not after a minute of loading: a missing package is a one-line fix
-            require_demo_model(model.name)
-        except DemoModelMissing as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "bench" and args.concurrency is not None:
-        import json
 
-        from server.tools.bench.concurrency import measure_concurrency, print_concurrency
+def _check(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from server.errors import ArtifactError
+    from server.model.artifacts import validate
 
+    try:
+        validate(args.artifacts, args.graph)
+    except ArtifactError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{args.artifacts}: complete for --graph {args.graph}")
+    return 0
+
+
+def _export(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from server.tools.export import export
+
+    _setup_logging("info")
+    export(args.source, args.dest, prefill_bucket=args.prefill_bucket, max_total=args.max_total, dtype=args.dtype,
+           vision=args.vision)
+    print(args.dest)
+    return 0
+
+
+def _fetch(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from server.tools.fetch import fetch
+
+    _setup_logging("info")
+    # No token passed: huggingface_hub reads HF_TOKEN (or its stored login) itself.
+    return fetch(args.repo, args.dest, revision=args.revision, graph=args.graph)
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from server.tools.bench import load
+    from server.tools.bench.report import report
+
+    report(load.measure_load_memory(args.artifacts, args.graph), args.json_path)
+    return 0
+
+
+def _bench_vision(args: argparse.Namespace) -> int:
+    from server.tools.bench import vision
+    from server.tools.bench.report import report
+
+    report(vision.measure(args.artifacts, args.budgets), args.json_path)
+    return 0
+
+
+def _bench_constraints(args: argparse.Namespace) -> int:
+    from server.tools.bench import constraints
+
+    return constraints.run(args.cfg, args.json_path)
+
+
+BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints}
+
+
+def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+
+    from server.tools.bench.concurrency import measure_concurrency, print_concurrency
+
+    results = measure_concurrency(args.concurrency, cache_root=settings.cache_dir, artifacts=args.artifacts,
+                                  graph=args.bench_graph, tokens=args.tokens or 64)
+    print_concurrency(results)
+    print(json.dumps(results))
+    if args.json_path is not None:
+        args.json_path.write_text(json.dumps(results) + "\n", encoding="utf-8")
+    return 0
+
+
+def _bench(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    if args.bench_part is not None:  # a part alone needs no Settings: its flags are its own
         _setup_logging("warning")
-        results = measure_concurrency(args.concurrency, cache_root=settings.cache_dir, artifacts=args.artifacts,
-                                      graph=args.bench_graph, tokens=args.tokens or 64)
-        print_concurrency(results)
-        print(json.dumps(results))
-        if args.json_path is not None:
-            args.json_path.write_text(json.dumps(results) + "\n", encoding="utf-8")
-        return 0
-    if args.command == "bench":
-        from server.tools.bench.host import run_bench
+        return BENCH_PARTS[args.bench_part](args)
+    settings = _settings(args, environ)
+    _setup_logging("warning")
+    if args.concurrency is not None:
+        return _bench_concurrency(args, settings)
+    from server.tools.bench.host import run_bench
 
-        _setup_logging("warning")
-        return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens or 200)
+    return run_bench(settings.cache_dir, json_path=args.json_path, tokens=args.tokens or 200)
+
+
+def _listen(settings: Settings) -> socket.socket:
     _setup_logging(settings.log_level)
-    from server.app.serve import listen, serve
+    from server.app.serve import listen
 
     try:  # before anything loads (the demo's first export takes minutes): a taken port fails in a second
-        listener = listen(settings.host, settings.port)
+        return listen(settings.host, settings.port)
     except OSError as exc:
-        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    if args.command != "demo":
-        return serve(settings, listener)
+        raise _Refused(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from exc
+
+
+def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    settings = _settings(args, environ)
+    listener = _listen(settings)
+    from server.app.serve import serve
+
+    return serve(settings, listener)
+
+
+def _demo_model(args: argparse.Namespace, environ: Mapping[str, str]) -> DemoModel:
+    from server.tools.demo import DemoModelMissing, require_demo_model
+
+    name = args.demo_model or environ.get(DEMO_MODEL_ENV) or DEFAULT_DEMO_MODEL
+    if name not in DEMO_MODELS:
+        raise _Refused(f"{DEMO_MODEL_ENV}: must be one of {', '.join(DEMO_MODELS)}, got {name!r}")
+    model = DEMO_MODELS[name]
+    try:  # at once, not after a minute of loading: a missing package is a one-line fix
+        require_demo_model(model.name)
+    except DemoModelMissing as exc:
+        raise _Refused(exc) from exc
+    return model
+
+
+def _demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    settings = _settings(args, environ)
+    model = _demo_model(args, environ)
+    listener = _listen(settings)
     from dataclasses import replace
 
+    from server.app.serve import serve
     from server.tools.demo import demo_artifacts
 
     root = demo_artifacts(settings.cache_dir, model=model.name)
     settings = replace(settings, artifacts=root, graph=args.demo_graph,
                        served_model_name=settings.served_model_name or model.name)
     return serve(settings, listener, chat=model.chat, description=model.description)
+
+
+COMMANDS = {"serve": _serve, "demo": _demo, "check": _check, "fetch": _fetch, "export": _export, "bench": _bench}
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args, environ)
+    except _Refused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ tokenizer and chat template (tests/support/gemma4_tokenizer.py), over HTTP.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -23,16 +21,14 @@ import torch
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from server.app.runtime import Host, build_engine, graph_loader, load_host
+from server.app.runtime import Host, graph_loader
 from server.graphs.base import Graph
 from server.protocol import Gemma4Protocol, PlainProtocol
-from server.tools.export import export
-from tests.support.api_fixtures import LiveServer, WrappedGraph, live_server, null_host, settings
-from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, gemma4_cfg_dir
-from tests.support.models import tiny_gemma4_checkpoint
+from tests.support import gemma4_app
+from tests.support.api_fixtures import LiveServer, WrappedGraph, null_host
+from tests.support.gemma4_app import MODEL, chat_chunks, gemma4_server
+from tests.support.gemma4_tokenizer import GEMMA4_TOKENS
 
-MODEL = "gemma4-tiny"
-MAX_TOTAL = 512
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -45,6 +41,8 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
                    "required": ["zone"]}}}
 TOOLS = [WEATHER, TIME]
+
+host, client, script = gemma4_app.host, gemma4_app.client, gemma4_app.script  # shared fixtures (pytest finds them by name)
 
 
 class ScriptedGraph(WrappedGraph):
@@ -68,22 +66,6 @@ class ScriptedGraph(WrappedGraph):
         return forced
 
 
-def gemma4_host(root: Path) -> Host:
-    """The tiny random Gemma-4 exported under `root`, with the Gemma-4 tokenizer and template (one prefill call)."""
-    checkpoint = tiny_gemma4_checkpoint(root / "checkpoint")
-    artifacts = export(checkpoint, root / "artifacts", prefill_bucket=MAX_TOTAL, max_total=MAX_TOTAL, dtype="float32")
-    cfg, source = artifacts / "cfg", gemma4_cfg_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copyfile(source / name, cfg / name)
-    (cfg / "special_tokens_map.json").unlink(missing_ok=True)
-    return load_host(artifacts, "hf", MODEL)
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
-
-
 @pytest.fixture(scope="module")
 def graph(host: Host) -> ScriptedGraph:
     return ScriptedGraph(graph_loader(host)())
@@ -91,25 +73,8 @@ def graph(host: Host) -> ScriptedGraph:
 
 @pytest.fixture(scope="module")
 def server(host: Host, graph: ScriptedGraph) -> Iterator[LiveServer]:
-    config = settings(served_model_name=MODEL)
-    engine = build_engine(host, config, load=lambda: graph, prefix_reuse=False)
-    with live_server(config, engine, host) as live:
-        live.app.state.grammar.wait(600)  # the grammar vocabulary: once per module (13-60 s)
+    with gemma4_server(host, graph, prefix_reuse=False) as live:
         yield live
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def script(host: Host, graph: ScriptedGraph) -> Iterator[Callable[[str], None]]:
-    def set_script(text: str) -> None:
-        graph.script = host.tokenizer.encode(text, add_special_tokens=False)
-
-    yield set_script
-    graph.script = None
 
 
 def chat(server: LiveServer, **body: Any) -> dict[str, Any]:
@@ -122,25 +87,18 @@ def stream(server: LiveServer, **body: Any) -> dict[str, Any]:
     """The stream gathered as an OpenAI client accumulates it (tool calls by index, arguments concatenated)."""
     message: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": {}}
     finish = None
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
-                      json={"model": MODEL, "messages": HI, "stream": True, **body}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            assert "error" not in chunk, chunk
-            choice = chunk["choices"][0]
-            delta = choice["delta"]
-            message["content"] += delta.get("content") or ""
-            message["reasoning_content"] += delta.get("reasoning_content") or ""
-            assert '<|"|>' not in (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-            for call in delta.get("tool_calls") or ():
-                entry = message["tool_calls"].setdefault(call["index"], {"id": None, "name": None, "arguments": ""})
-                entry["id"] = entry["id"] or call.get("id")
-                entry["name"] = entry["name"] or call["function"].get("name")
-                entry["arguments"] += call["function"].get("arguments") or ""
-            finish = choice["finish_reason"] or finish
+    for chunk in chat_chunks(server, {"model": MODEL, "messages": HI, "stream": True, **body}):
+        choice = chunk["choices"][0]
+        delta = choice["delta"]
+        message["content"] += delta.get("content") or ""
+        message["reasoning_content"] += delta.get("reasoning_content") or ""
+        assert '<|"|>' not in (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        for call in delta.get("tool_calls") or ():
+            entry = message["tool_calls"].setdefault(call["index"], {"id": None, "name": None, "arguments": ""})
+            entry["id"] = entry["id"] or call.get("id")
+            entry["name"] = entry["name"] or call["function"].get("name")
+            entry["arguments"] += call["function"].get("arguments") or ""
+        finish = choice["finish_reason"] or finish
     message["tool_calls"] = [message["tool_calls"][i] for i in sorted(message["tool_calls"])]
     return {"message": message, "finish_reason": finish}
 

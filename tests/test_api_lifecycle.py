@@ -21,7 +21,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from server.app.runtime import build_engine, graph_loader
 from server.app.serve import serve
 from server.graphs.base import Graph
-from tests.support.api_fixtures import LiveServer, null_host, settings, slow_loader, spawn_serve
+from tests.support.api_fixtures import LiveServer, live_server, null_host, settings, slow_loader, spawn_serve
+from tests.support.wait import wait_for_value
 
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
@@ -64,16 +65,13 @@ def test_health_reports_a_graph_that_failed_to_load() -> None:
         raise RuntimeError("no NeuronCore found")
 
     config = settings()
-    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start(wait_ready=False)
-    try:
+    with live_server(config, build_engine(null_host(), config, load=load), wait_ready=False) as live:
         live.wait_state("error")
         r = httpx.get(f"{live.url}/health")
         assert r.status_code == 503 and r.json()["status"] == "error"
         assert "no NeuronCore found" in r.json()["reason"]
         r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    finally:
-        live.stop()
 
 
 def _data(lines: list[str]) -> list[str]:
@@ -83,8 +81,7 @@ def _data(lines: list[str]) -> list[str]:
 def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones() -> None:
     config = settings()
     load, _ = slow_loader(null_host(), 0.05)
-    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
-    try:
+    with live_server(config, build_engine(null_host(), config, load=load)) as live:
         body = {"prompt": "Hi", "max_tokens": 20, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as stream:
             lines = stream.iter_lines()
@@ -103,15 +100,12 @@ def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones() -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "".join(c["choices"][0]["text"] for c in chunks) == " a" * 20
         assert drained.result(10) is True
-    finally:
-        live.stop()
 
 
 def test_drain_grace_expiry_cancels_stragglers_in_band() -> None:
     config = settings()
     load, _ = slow_loader(null_host(), 0.05)
-    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start()
-    try:
+    with live_server(config, build_engine(null_host(), config, load=load)) as live:
         body = {"prompt": "Hi", "max_tokens": 500, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as stream:
             lines = stream.iter_lines()
@@ -127,8 +121,6 @@ def test_drain_grace_expiry_cancels_stragglers_in_band() -> None:
         assert error["code"] == "cancelled" and error["type"] == "service_unavailable"
         assert elapsed < 3.0
         assert drained.result(10) is True
-    finally:
-        live.stop()
 
 
 def test_serve_returns_1_on_an_invalid_artifact_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -147,10 +139,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
             lines = stream.iter_lines()
             received = [next(line for line in lines if line.startswith("data: "))]
             proc.send_signal(signal.SIGTERM)
-            health = httpx.get(f"{url}/health", timeout=5)
-            while health.json()["status"] == "ok":  # the signal is handled on the server's next loop turn
-                time.sleep(0.01)
-                health = httpx.get(f"{url}/health", timeout=5)
+            # the signal is handled on the server's next loop turn
+            health = wait_for_value(lambda: httpx.get(f"{url}/health", timeout=5),
+                                    lambda answer: answer.json()["status"] != "ok", "/health to leave ok", 30)
             assert health.status_code == 503 and health.json()["status"] == "draining"
             received += list(lines)
         data = _data(received)

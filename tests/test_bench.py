@@ -11,11 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from server.tools.bench.host import CONFIG_26B
+from server.sampling.params import SamplingParams
+from server.tools.bench.host import CONFIG_26B, full_sort_top_p
 from tests.support.configs import GEMMA4_26B_A4B
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
 from tests.support.models import cache_root
+from tests.support.sampling_reference import GEMMA4_SOFTCAP, chi_square_ok, reference_probs
 
 KEYS = {
     "host_overhead_ms_per_token_p50", "host_overhead_ms_per_token_p99",
@@ -96,3 +99,15 @@ def test_bench_concurrency_reports_by_stream_count(tmp_path: Path) -> None:
     assert results["1"]["greedy"]["aggregate_vs_one_stream"] == 1.0
     # The roofline's batch of 2 takes longer than a batch of 1 (a device step, slept by the null graph).
     assert results["2"]["greedy"]["device_step_ms"] > results["1"]["greedy"]["device_step_ms"]
+
+
+def test_the_benchs_full_sort_baseline_samples_the_reference_distribution() -> None:
+    """`sampling_ms_full_sort_top_p` times a real sampler: the bench's naive baseline draws from the tests' own
+    reference distribution (tests/support/sampling_reference.py), and greedy with a bias picks the biased token."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
+    params = SamplingParams(top_k=3, top_p=0.9)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.tensor([full_sort_top_p(logits, params, g, GEMMA4_SOFTCAP) for _ in range(4000)])
+    assert chi_square_ok(torch.bincount(tokens, minlength=5), reference_probs(logits, params, GEMMA4_SOFTCAP))
+    greedy = SamplingParams(temperature=0.0, logit_bias=((4, 10.0),))
+    assert full_sort_top_p(logits, greedy, g, GEMMA4_SOFTCAP) == 4

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Page
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,35 +31,14 @@ from server.api.page import chat_page
 from server.app.page import chat_page_html
 from server.app.runtime import build_engine
 from server.config import Settings
+from tests.support import browser as support_browser
 from tests.support.api_fixtures import API_KEY, LiveServer, hf_host, live_server, metric, null_host, settings, slow_loader
-from tests.support.browser import launched_chromium
 from tests.support.wait import wait_until
-
-WAIT_MS = 120_000
-
 
 # ------------------------------------------------------------------ helpers
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with launched_chromium() as launched:
-        yield launched
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1100, "height": 700})
-    opened = context.new_page()
-    opened.set_default_timeout(WAIT_MS)
-    try:
-        yield opened
-    finally:
-        context.close()
-
-
-def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
-    wait_until(condition, what, timeout)
+browser, page = support_browser.browser, support_browser.page  # shared fixtures (pytest finds them by name)
 
 
 def record_answer_states(page: Page) -> None:
@@ -191,8 +170,8 @@ def test_browser_stop_cancels_the_request_on_the_server(page: Page, tmp_path: Pa
         page.click("#stop")
 
         # The server saw the disconnect and cancelled the request: the device is free again.
-        wait_for(lambda: metric(live.url, "gemma4_requests_finished_total", reason="cancelled") == 1,
-                 "the request to be cancelled on the server")
+        wait_until(lambda: metric(live.url, "gemma4_requests_finished_total", reason="cancelled") == 1,
+                   "the request to be cancelled on the server", timeout=60)
         assert metric(live.url, "gemma4_requests_running") == 0
         assert metric(live.url, "gemma4_generation_tokens_total") < 2000
         assert "stopped" in (answer.locator(".stats").text_content() or "")
@@ -293,7 +272,7 @@ def serving(app: Starlette) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    wait_for(lambda: server.started, "the stand-in to start", 30)
+    wait_until(lambda: server.started, "the stand-in to start")
     try:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
@@ -345,12 +324,12 @@ def test_browser_shows_reasoning_collapsed_above_the_answer(page: Page, tmp_path
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Any]]:
     """The tiny random Gemma-4 with the Gemma-4 tokenizer and template, behind a graph that forces a script."""
     from server.app.runtime import graph_loader
-    from tests.test_api_gemma4 import MODEL, ScriptedGraph, gemma4_host
+    from tests.support.gemma4_app import gemma4_host, gemma4_server
+    from tests.test_api_gemma4 import ScriptedGraph
 
     host = gemma4_host(tmp_path_factory.mktemp("gemma4"))
     graph = ScriptedGraph(graph_loader(host)())
-    config = settings(served_model_name=MODEL)
-    with live_server(config, build_engine(host, config, load=lambda: graph, prefix_reuse=False), host) as live:
+    with gemma4_server(host, graph, prefix_reuse=False, wait_grammar=False) as live:
         yield live, host, graph
 
 

@@ -37,7 +37,7 @@ from tests.support.api_fixtures import ROOT, free_port
 from tests.support.browser import launched_chromium
 from tests.support.models import demo_dir
 from tests.support.smollm2 import smollm2_cache, smollm2_dir  # noqa: F401 (pytest fixtures)
-from tests.support.wait import wait_until
+from tests.support.wait import wait_serving, wait_until
 
 QUESTION = "What is the capital of France?"
 CHATS = [
@@ -136,14 +136,7 @@ class DemoProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "server", "demo", "--cache-dir", str(cache), "--port",
                                       str(port), *args], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), **(environ or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_until(self._healthy, "the demo server's /health to say ok", 300,
-                   alive=lambda: self.proc.poll() is None)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
+        wait_serving(self.proc, f"{self.url}/health", 300)
 
     def stop(self) -> str:
         self.proc.terminate()

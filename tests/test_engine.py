@@ -25,6 +25,7 @@ from server.engine.types import Completion, Finish, GenerationRequest, QueueFull
 from server.graphs.base import Graph
 from server.sampling.params import SamplingParams
 from server.tools.export import export
+from tests.support import models
 from tests.support.models import demo_dir, tiny_gemma4_checkpoint
 
 BUCKET, MAX = 16, 128
@@ -41,9 +42,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def reference_model(tiny: tuple[Path, Path]) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32).eval()
+    return models.reference_model(tiny[0])
 
 
 def start_engine(host: Host, graph: Graph | None = None) -> Engine:

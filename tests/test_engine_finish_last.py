@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,6 +23,7 @@ from server.graphs.base import Graph
 from server.graphs.null import NullGraph
 from server.sampling.params import SamplingParams
 from tests.support.api_fixtures import SlowGraph, null_host, settings
+from tests.support.wait import until
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -80,12 +81,6 @@ async def submitted_and_ended(engine: Engine, request: GenerationRequest) -> tup
     return await ended(engine, engine.submit(request))
 
 
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
-
-
 def test_choices_that_finish_are_no_longer_admitted() -> None:
     engine = started(null_graph())
 
@@ -118,7 +113,7 @@ def test_requests_cancelled_running_and_queued_are_no_longer_counted() -> None:
 
     async def scenario() -> None:
         running, queued = engine.submit(greedy(200)), engine.submit(greedy(200))
-        await until(lambda: engine.running == 1 and engine.queue_depth == 1)
+        await until(lambda: engine.running == 1 and engine.queue_depth == 1, "one running, one queued", 10)
         queued.cancel()
         running.cancel()
         finish, admitted, _ = await ended(engine, running)
@@ -138,7 +133,7 @@ def test_a_request_expired_in_the_queue_is_no_longer_counted() -> None:
 
     async def scenario() -> None:
         engine.submit(greedy(4))  # runs, and hangs in the device
-        await until(lambda: engine.running == 1)
+        await until(lambda: engine.running == 1, "one running", 10)
         finish, admitted, running = await ended(engine, engine.submit(greedy(4, timeout_s=0.3)))
         assert finish.reason == "length" and finish.timed_out
         assert (admitted, running) == (1, 1)  # only the stuck one
@@ -172,7 +167,7 @@ def test_requests_ended_by_stop_are_no_longer_counted() -> None:
 
     async def scenario() -> list[tuple[str, int]]:
         handles = [engine.submit(greedy(200)) for _ in range(3)]
-        await until(lambda: (engine.running, engine.queue_depth) == (1, 2))
+        await until(lambda: (engine.running, engine.queue_depth) == (1, 2), "one running, two queued", 10)
         stopping = asyncio.get_running_loop().run_in_executor(None, engine.stop)
         seen = []
         for handle in handles:

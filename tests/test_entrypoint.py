@@ -26,6 +26,7 @@ import pytest
 
 from server.model.artifacts import validate
 from tests.support.hub_standin import HubStandIn, make_tiny_repo
+from tests.support.wait import wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "entrypoint.sh"
@@ -192,17 +193,7 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"entrypoint exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"/health not ok within {timeout} s:\n{self.output()[-4000:]}")
+        wait_serving(self.proc, f"{self.url}/health", timeout, log=self.log)
 
     def terminate(self, timeout: float = 15) -> int:
         self.proc.send_signal(signal.SIGTERM)

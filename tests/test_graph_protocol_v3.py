@@ -6,24 +6,16 @@ The compiled v3 graph's own protocol is proven end to end in tests/test_recipe_v
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from server.graphs.base import OneSlotGraph
 from server.graphs.jit import JitGraph
 from server.graphs.null import NullGraph
-from server.model.artifacts import GraphSpec
-from tests.test_jit_graph import BUCKET, HIDDEN, MAX, VOCAB, WINDOW, ContractChecker, reference_logits
+from tests import test_jit_graph
+from tests.test_jit_graph import BUCKET, HIDDEN, VOCAB, reference_logits
 
-
-@pytest.fixture
-def checker_graph(tmp_path: Path) -> JitGraph:
-    path = tmp_path / "model.pt"
-    torch.jit.save(torch.jit.script(ContractChecker(MAX, WINDOW, HIDDEN, VOCAB)), str(path))
-    spec = GraphSpec(max_total=MAX, prefill_bucket=BUCKET, graph_file="model.pt", tp=1)
-    return JitGraph(path, spec, vocab_size=VOCAB, sliding_window=WINDOW, final_softcap=30.0)
+checker_graph = test_jit_graph.checker_graph  # the contract checker's JitGraph (pytest finds the fixture by name)
 
 
 def test_v1_graph_answers_protocol_v3_on_slot_zero(checker_graph: JitGraph) -> None:

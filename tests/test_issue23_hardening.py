@@ -22,8 +22,10 @@ from server.constraints.constraint import ConstraintError
 from server.json_text import JSONTextError, JSONTooDeep, read_json
 from server.protocol.base import RESERVED_TEMPLATE_VARIABLES, is_tool_name
 from server.protocol.gemma4 import parse_call
+from tests.support import gemma4_app
 from tests.support.api_fixtures import LiveServer, live_server, settings
-from tests.test_api_gemma4 import MODEL, WEATHER, gemma4_host
+from tests.support.gemma4_app import MODEL
+from tests.test_api_gemma4 import WEATHER
 
 HI = {"role": "user", "content": "Hi"}
 DEEP = "[" * 50_000  # unterminated, as the battery sent it: the parser must give up on depth, not on length
@@ -32,9 +34,7 @@ CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$re
 FAST_S = 2.0  # every refusal below is answered within this (each was a 500 in milliseconds, or a full generation)
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
+host = gemma4_app.host  # a shared fixture (pytest finds it by name)
 
 
 @pytest.fixture(scope="module")

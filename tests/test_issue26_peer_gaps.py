@@ -22,11 +22,13 @@ import pytest
 from openai import OpenAI
 
 from server.__main__ import main
-from server.app.runtime import Host, build_engine, graph_loader
+from server.app.runtime import Host, graph_loader
 from server.config import Settings, served_names
+from tests.support import gemma4_app
 from tests.support.api_fixtures import LiveServer, live_server, settings
-from tests.test_api_gemma4 import MODEL, TOOLS, gemma4_host
-from tests.test_responses import Prompts as RecordedPrompts
+from tests.support.gemma4_app import MODEL, gemma4_server
+from tests.support.gemma4_app import Prompts as RecordedPrompts
+from tests.test_api_gemma4 import TOOLS
 
 ALIASES = ("claude-sonnet-4-5", "claude-haiku-4-5")
 SERVED = ",".join((MODEL, *ALIASES))
@@ -36,31 +38,16 @@ ASK = [{"role": "user", "content": "Hi"}]
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
+host, recorded = gemma4_app.host, gemma4_app.prompts  # shared fixtures (pytest finds them by name)
 
 
 @pytest.fixture(scope="module")
-def live(host: Host) -> Iterator[tuple[LiveServer, RecordedPrompts]]:
-    config = settings(served_model_name=SERVED)
+def server(host: Host) -> Iterator[LiveServer]:
     # The host as `serve --served-model-name a,b,c` loads it (gemma4_host names it MODEL alone).
     aliased = dataclasses.replace(host, aliases=served_names(SERVED)[1:])
     graph = graph_loader(aliased)()
-    engine = build_engine(aliased, config, load=lambda: graph)
-    recorded = RecordedPrompts(engine)
-    with live_server(config, engine, aliased) as server:
-        yield server, recorded
-
-
-@pytest.fixture(scope="module")
-def server(live: tuple[LiveServer, RecordedPrompts]) -> LiveServer:
-    return live[0]
-
-
-@pytest.fixture(scope="module")
-def recorded(live: tuple[LiveServer, RecordedPrompts]) -> RecordedPrompts:
-    return live[1]
+    with gemma4_server(aliased, graph, settings(served_model_name=SERVED), wait_grammar=False) as live:
+        yield live
 
 
 def post(server: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:

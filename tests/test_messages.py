@@ -24,13 +24,16 @@ import pytest
 
 from server.api.messages.schemas import MessagesRequest
 from server.api.messages.translate import chat_request
-from server.app.runtime import Host, build_engine, graph_loader
+from server.app.runtime import build_engine, graph_loader
 from server.errors import AnthropicError
 from server.graphs.base import Graph
+from tests import test_responses
+from tests.support import gemma4_app
 from tests.support.api_fixtures import API_KEY, LiveServer, live_server, null_host, settings, slow_loader
+from tests.support.gemma4_app import MODEL, Prompts, chat_prompt
 from tests.support.vision import png_bytes, random_image
-from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, gemma4_host
-from tests.test_responses import PERSON, THOUGHT, Prompts, TurnScriptedGraph, chat_prompt
+from tests.test_api_gemma4 import CALL_PARIS, PARIS, WEATHER
+from tests.test_responses import PERSON, THOUGHT
 
 WEATHER_TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
                 "input_schema": WEATHER["function"]["parameters"]}
@@ -59,48 +62,14 @@ def sse_events(raw: str) -> list[tuple[str, dict[str, Any]]]:
 # ------------------------------------------------------------------ the tiny Gemma-4
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
-
-
-@pytest.fixture(scope="module")
-def graph(host: Host) -> TurnScriptedGraph:
-    return TurnScriptedGraph(graph_loader(host)())
-
-
-@pytest.fixture(scope="module")
-def live(host: Host, graph: TurnScriptedGraph) -> Iterator[tuple[LiveServer, Prompts]]:
-    config = settings(served_model_name=MODEL)
-    engine = build_engine(host, config, load=lambda: graph)
-    prompts = Prompts(engine)
-    with live_server(config, engine, host) as server:
-        server.app.state.grammar.wait(600)  # the grammar vocabulary: once per module
-        yield server, prompts
-
-
-@pytest.fixture(scope="module")
-def server(live: tuple[LiveServer, Prompts]) -> LiveServer:
-    return live[0]
-
-
-@pytest.fixture(scope="module")
-def prompts(live: tuple[LiveServer, Prompts]) -> Prompts:
-    return live[1]
+# The fixtures of tests/test_responses.py's scripted server (the same graph and server, this module's own instance).
+host, prompts, script = gemma4_app.host, gemma4_app.prompts, gemma4_app.script
+graph, server = test_responses.graph, test_responses.server
 
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def script(host: Host, graph: TurnScriptedGraph) -> Iterator[Callable[[str], None]]:
-    def set_script(text: str) -> None:
-        graph.script = host.tokenizer.encode(text, add_special_tokens=False)
-
-    yield set_script
-    graph.script = None
 
 
 def test_a_text_answer_is_the_chat_prompt_and_anthropics_shape(client: anthropic.Anthropic, server: LiveServer,

@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.support.api_fixtures import free_port
+from tests.support.wait import wait_serving
 from tests.test_recipe import BUCKET, MAX, H, recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,17 +53,7 @@ def serve(artifacts: Path, env: dict[str, str]) -> Iterator[str]:
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.communicate()[0][-4000:]}")
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)  # polling the server's state, not waiting for time to pass
+        wait_serving(proc, f"{url}/health", 180)
         yield url
     finally:
         proc.terminate()

@@ -20,7 +20,7 @@ import httpx
 
 from tests.support.api_fixtures import ROOT, free_port
 from tests.support.models import cache_root, demo_dir
-from tests.support.wait import wait_until
+from tests.support.wait import answers, wait_serving
 
 MAX_EXAMPLES = 60  # per operation and phase: ~4,000 requests, ~1 min on a 2-core host
 MAX_RESPONSE_S = 30  # a request for 8 choices of a whole 1024-token context takes ~7 s on the null graph, unloaded
@@ -47,13 +47,7 @@ def test_schemathesis_finds_nothing_on_the_running_demo(tmp_path: Path) -> None:
                                   cwd=ROOT, stdout=out,
                                   stderr=subprocess.STDOUT)
     try:
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(ready, "the demo server to be healthy", 300, alive=lambda: server.poll() is None)
+        wait_serving(server, f"{url}/health", 300, log=log)
         # A constrained request waits for the grammar vocabulary (built once after start-up); ask for one first, so
         # the fuzzer's own constrained requests meet a built vocabulary and the time bound measures the server.
         warm = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
@@ -72,7 +66,7 @@ def test_schemathesis_finds_nothing_on_the_running_demo(tmp_path: Path) -> None:
         # Every route ran, but GET /openapi.json itself: schemathesis leaves out the operation it loaded the schema from.
         assert f"Tested: {operations - 1}" in run.stdout, report
         print(f"schemathesis: {cases.group(1)} requests, all passed, in {took:.0f} s")
-        assert ready(), "the server stopped serving"
+        assert answers(f"{url}/health"), "the server stopped serving"
     finally:
         server.terminate()
         try:

@@ -33,7 +33,7 @@ from server.graphs.base import Graph
 from server.graphs.hf import HFGraph
 from server.tools.export import export
 from tests.support.api_fixtures import LiveServer, WrappedGraph, live_server, metric, settings
-from tests.support.models import tiny_gemma4_checkpoint
+from tests.support.models import reference_model, tiny_gemma4_checkpoint
 from tests.support.recipe_helpers import SCRIPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -55,9 +55,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return reference_model(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from server.errors import ArtifactError
 from server.graphs.jit import JitGraphV2
 from server.model.artifacts import GraphSpec, validate
 from server.sampling.params import SamplingParams
-from tests.support.models import tiny_gemma4_checkpoint
+from tests.support.models import reference_model, tiny_gemma4_checkpoint
 from tests.support.recipe_helpers import SCRIPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -52,9 +52,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return reference_model(checkpoint)
 
 
 def build(checkpoint: Path, out: Path, *extra: str) -> Path:

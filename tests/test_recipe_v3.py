@@ -31,7 +31,7 @@ from server.engine.types import GenerationRequest
 from server.graphs.jit import JitGraphV3
 from server.model.artifacts import GraphSpec
 from server.sampling.params import SamplingParams
-from tests.support.models import tiny_gemma4_checkpoint
+from tests.support.models import reference_model, tiny_gemma4_checkpoint
 from tests.support.recipe_helpers import SCRIPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -49,9 +49,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return reference_model(checkpoint)
 
 
 def build_args(checkpoint: Path, out: Path, *extra: str) -> list[str]:

@@ -25,8 +25,8 @@ import pytest
 
 from server.app.runtime import build_engine, graph_loader
 from server.graphs.base import Graph
-from tests.support.api_fixtures import LiveServer, SlowGraph, null_host, settings, slow_loader, spawn_serve
-from tests.support.wait import wait_until
+from tests.support.api_fixtures import LiveServer, SlowGraph, live_server, null_host, settings, slow_loader, spawn_serve
+from tests.support.wait import wait_for_value, wait_until
 
 HI = [{"role": "user", "content": "Hi"}]
 STEP_TIMEOUT_S = 0.8
@@ -57,14 +57,10 @@ def ok_chat(live: LiveServer) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " a a a", r.text
 
 
-def idle(live: LiveServer, timeout: float = 5.0) -> bool:
+def wait_idle(live: LiveServer, timeout: float = 5.0) -> None:
     """The engine admits nothing and the app waits for nothing (the worker's books close just after a Finish)."""
-    deadline = time.monotonic() + timeout
-    while live.engine.admitted or live.engine.in_flight():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    wait_until(lambda: not (live.engine.admitted or live.engine.in_flight()), "the engine and the app to be idle",
+               timeout)
 
 
 # ------------------------------------------------------------------------------------- a fault mid-generation
@@ -106,7 +102,7 @@ def test_a_fault_mid_generation_fails_that_request_only_and_the_next_one_succeed
     ok_chat(live)
     ok_stream(live)
     assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
-    assert idle(live)
+    wait_idle(live)
     assert error_count(live, 500) == before + 2  # the in-band one and the 500 body, each counted once
     failed = [r for r in caplog.records if "failed in the graph" in r.getMessage()]
     assert len(failed) == 2 and all(r.exc_info for r in failed)  # one line (with its traceback) per fault, in the log
@@ -120,8 +116,7 @@ def test_a_graph_that_fails_to_load_answers_503_everywhere_at_once_and_keeps_say
         raise OSError("NEURON_RT: no NeuronCores available")
 
     config = settings()
-    live = LiveServer(config, build_engine(null_host(), config, load=load), null_host()).start(wait_ready=False)
-    try:
+    with live_server(config, build_engine(null_host(), config, load=load), wait_ready=False) as live:
         live.wait_state("error")
         with httpx.Client(base_url=live.url, timeout=5) as client:  # a hang would time out
             requests = [
@@ -143,8 +138,6 @@ def test_a_graph_that_fails_to_load_answers_503_everywhere_at_once_and_keeps_say
             assert client.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
             assert client.get("/v1/models").status_code == 200
         assert error_count(live, 503) >= 4
-    finally:
-        live.stop()
 
 
 # ------------------------------------------------------------------------------------- a stalled graph call
@@ -185,12 +178,8 @@ def stalling() -> Iterator[tuple[LiveServer, StallingGraph]]:
 
 
 def _wait_health(live: LiveServer, status: str, timeout: float = 5.0) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = httpx.get(f"{live.url}/health", timeout=5).json()
-        if body["status"] == status or time.monotonic() > deadline:
-            return body
-        time.sleep(0.02)
+    return wait_for_value(lambda: httpx.get(f"{live.url}/health", timeout=5).json(),
+                          lambda body: body["status"] == status, f"/health to say {status!r}", timeout)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
@@ -241,7 +230,7 @@ def test_a_stalled_graph_call_fails_its_request_in_time_and_health_recovers_when
     assert results["queued"].status_code == 200, results["queued"].text  # the queued request was not lost
     ok_stream(live)
     ok_chat(live)
-    assert idle(live)
+    wait_idle(live)
 
 
 # ------------------------------------------------------------------------------------- SIGTERM past the grace
@@ -260,8 +249,8 @@ def test_sigterm_with_a_stream_longer_than_the_grace_cancels_it_in_band_and_exit
             received = [next(line for line in lines if line.startswith("data: "))]
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            while httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok":
-                time.sleep(0.01)
+            wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json()["status"] != "ok",
+                       "/health to leave ok (the signal is handled on the server's next loop turn)")
             late = httpx.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 1}, timeout=5)
             assert late.status_code == 503 and late.json()["error"]["code"] == "model_draining"
             received += list(lines)

@@ -27,9 +27,10 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from server.app.runtime import Host, build_engine, graph_loader
-from server.engine.engine import Engine
+from tests.support import gemma4_app
 from tests.support.api_fixtures import API_KEY, ROOT, LiveServer, live_server, null_host, settings, slow_loader
-from tests.test_api_gemma4 import CALL_PARIS, MODEL, PARIS, WEATHER, ScriptedGraph, gemma4_host
+from tests.support.gemma4_app import MODEL, Prompts, chat_prompt, gemma4_server
+from tests.test_api_gemma4 import CALL_PARIS, PARIS, WEATHER, ScriptedGraph
 
 # The Responses API's flat function-tool shape.
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": WEATHER["function"]["description"],
@@ -60,27 +61,7 @@ class TurnScriptedGraph(ScriptedGraph):
         return forced
 
 
-class Prompts:
-    """The prompt ids every request submitted to the engine (a pass-through: the engine runs them as always)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.ids: list[tuple[int, ...]] = []
-        submit_all = engine.submit_all
-
-        def recording(requests: Sequence[Any]) -> Any:
-            self.ids.extend(request.prompt_ids for request in requests)
-            return submit_all(requests)
-
-        engine.submit_all = recording  # type: ignore[method-assign]
-
-    @property
-    def last(self) -> tuple[int, ...]:
-        return self.ids[-1]
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
+host, client, prompts, script = gemma4_app.host, gemma4_app.client, gemma4_app.prompts, gemma4_app.script  # fixtures
 
 
 @pytest.fixture(scope="module")
@@ -89,45 +70,9 @@ def graph(host: Host) -> TurnScriptedGraph:
 
 
 @pytest.fixture(scope="module")
-def live(host: Host, graph: TurnScriptedGraph) -> Iterator[tuple[LiveServer, Prompts]]:
-    config = settings(served_model_name=MODEL)
-    engine = build_engine(host, config, load=lambda: graph)
-    prompts = Prompts(engine)
-    with live_server(config, engine, host) as server:
-        server.app.state.grammar.wait(600)  # the grammar vocabulary: once per module
-        yield server, prompts
-
-
-@pytest.fixture(scope="module")
-def server(live: tuple[LiveServer, Prompts]) -> LiveServer:
-    return live[0]
-
-
-@pytest.fixture(scope="module")
-def prompts(live: tuple[LiveServer, Prompts]) -> Prompts:
-    return live[1]
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def script(host: Host, graph: TurnScriptedGraph) -> Iterator[Callable[[str], None]]:
-    def set_script(text: str) -> None:
-        graph.script = host.tokenizer.encode(text, add_special_tokens=False)
-
-    yield set_script
-    graph.script = None
-
-
-def chat_prompt(server: LiveServer, prompts: Prompts, messages: list[dict[str, Any]], **fields: Any) -> tuple[int, ...]:
-    """The prompt the chat route renders for these messages (one token is enough to have it submitted)."""
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
-                                                              **fields}, timeout=120)
-    assert r.status_code == 200, r.text
-    return prompts.last
+def server(host: Host, graph: TurnScriptedGraph) -> Iterator[LiveServer]:
+    with gemma4_server(host, graph) as live:
+        yield live
 
 
 def event_types(events: Sequence[Any]) -> list[str]:

@@ -12,8 +12,7 @@ import torch
 from server.sampling.params import SamplingParams
 from server.sampling.primitives import argmax, candidates, prompt_logprobs, topk
 from server.sampling.sampler import Sampler
-from server.tools.bench.host import full_sort_top_p
-from tests.support.sampling_reference import candidate_distribution, reference_probs
+from tests.support.sampling_reference import candidate_distribution, chi_square_ok, reference_probs
 
 V = 262_144  # Gemma's vocabulary: the fast paths only engage at realistic sizes
 CAP = 30.0  # Gemma-4's final-logit soft-cap
@@ -41,21 +40,6 @@ def as_dense(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor
 
 def draw(sampler: Sampler, logits: torch.Tensor, n: int) -> torch.Tensor:
     return torch.tensor([sampler.sample(logits).token_id for _ in range(n)])  # (n,)
-
-
-def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
-    """Pearson chi-square against expected probabilities, at p = 1e-4 (Wilson-Hilferty critical value)."""
-    n = int(counts.sum())
-    support = probs > 0
-    assert int(counts[~support].sum()) == 0, "drew a token outside the support"
-    expected = probs[support].double() * n
-    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
-    df = int(support.sum()) - 1
-    if df == 0:
-        return True
-    z = 3.719  # one-sided normal quantile for 1e-4
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat < critical
 
 
 # --- primitives -------------------------------------------------------------------------------------------
@@ -218,16 +202,6 @@ def test_large_vocab_draws_stay_in_support() -> None:
     tokens = draw(sampler, logits, 200)
     assert bool(support[tokens].all())
     assert len(set(tokens.tolist())) > 1
-
-
-def test_full_sort_reference_samples_its_own_distribution() -> None:
-    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
-    params = SamplingParams(top_k=3, top_p=0.9)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.tensor([full_sort_top_p(logits, params, g, CAP) for _ in range(4000)])
-    assert chi_square_ok(torch.bincount(tokens, minlength=5), reference_probs(logits, params, CAP))
-    greedy = SamplingParams(temperature=0.0, logit_bias=((4, 10.0),))
-    assert full_sort_top_p(logits, greedy, g, CAP) == 4
 
 
 # --- seeds, greedy ----------------------------------------------------------------------------------------

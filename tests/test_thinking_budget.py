@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -28,17 +27,15 @@ import numpy as np
 import pytest
 import torch
 
-from server.app.runtime import Host, build_engine, graph_loader, load_host
+from server.app.runtime import Host, graph_loader
 from server.config import Settings, add_options
 from server.constraints.constraint import Constraint, StopAfterCall, allowed_ids
 from server.constraints.thought import BudgetedThought, ThoughtBudget
 from server.protocol.base import EFFORT_BUDGETS, reasoning_budget
-from server.tools.export import export
 from tests.support.api_fixtures import LiveServer, WrappedGraph, live_server, settings
-from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, gemma4_cfg_dir
-from tests.support.models import tiny_gemma4_checkpoint
+from tests.support.gemma4_app import MODEL, chat_chunks, gemma4_host, gemma4_server
+from tests.support.gemma4_tokenizer import GEMMA4_TOKENS
 
-MODEL = "gemma4-tiny"
 MAX_TOTAL = 640  # room for the "minimal" effort's 512-token budget and an answer after it
 SERVER_BUDGET = 6  # the live server's --reasoning-budget
 OPEN, CLOSE = GEMMA4_TOKENS["<|channel>"], GEMMA4_TOKENS["<channel|>"]
@@ -171,14 +168,7 @@ class ThinkingGraph(WrappedGraph):
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    root = tmp_path_factory.mktemp("thinking")
-    checkpoint = tiny_gemma4_checkpoint(root / "checkpoint")
-    artifacts = export(checkpoint, root / "artifacts", prefill_bucket=MAX_TOTAL, max_total=MAX_TOTAL, dtype="float32")
-    cfg, source = artifacts / "cfg", gemma4_cfg_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copyfile(source / name, cfg / name)
-    (cfg / "special_tokens_map.json").unlink(missing_ok=True)
-    return load_host(artifacts, "hf", MODEL)
+    return gemma4_host(tmp_path_factory.mktemp("thinking"), max_total=MAX_TOTAL)
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +186,7 @@ def graph(host: Host, header: list[int]) -> ThinkingGraph:
 @pytest.fixture(scope="module")
 def server(host: Host, graph: ThinkingGraph) -> Iterator[LiveServer]:
     config = settings(served_model_name=MODEL, reasoning_budget=SERVER_BUDGET)
-    engine = build_engine(host, config, load=lambda: graph, prefix_reuse=False)
-    with live_server(config, engine, host) as live:
+    with gemma4_server(host, graph, config, prefix_reuse=False, wait_grammar=False) as live:
         yield live
 
 
@@ -226,22 +215,15 @@ def tokens_of(body: dict[str, Any]) -> list[str]:
 def stream_chat(server: LiveServer, **body: Any) -> dict[str, Any]:
     """The stream gathered: reasoning, content, the tokens (from the logprobs), finish_reason and usage."""
     out: dict[str, Any] = {"reasoning": "", "content": "", "tokens": [], "finish_reason": None, "usage": None}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": HI, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": 0.0, "logprobs": True, **body}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                out["usage"] = chunk["usage"]
-            for choice in chunk["choices"]:
-                out["reasoning"] += choice["delta"].get("reasoning_content") or ""
-                out["content"] += choice["delta"].get("content") or ""
-                out["tokens"] += [entry["token"] for entry in (choice.get("logprobs") or {}).get("content") or ()]
-                out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+    for chunk in chat_chunks(server, {"model": MODEL, "messages": HI, "stream": True, "stream_options": {
+            "include_usage": True}, "temperature": 0.0, "logprobs": True, **body}):
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        for choice in chunk["choices"]:
+            out["reasoning"] += choice["delta"].get("reasoning_content") or ""
+            out["content"] += choice["delta"].get("content") or ""
+            out["tokens"] += [entry["token"] for entry in (choice.get("logprobs") or {}).get("content") or ()]
+            out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,12 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server.app.runtime import Host, build_engine, load_host
+from server.app.runtime import Host, load_host
 from server.config import Settings
 from server.engine.engine import Engine
 from server.model.artifacts import ArtifactDir, GraphSpec
 from server.tools.export import export
 from server.vision.load import VisionUnavailable, plan_vision
-from tests.support.api_fixtures import live_server
 from tests.support.vision import (
     NEW_TOKENS,
     ONE,
@@ -40,6 +39,8 @@ from tests.support.vision import (
     picture,
     random_image,
     reference_generate,
+    running_engine,
+    served_openai,
     tiny_vision_checkpoint,
     vision_cfg_dir,
 )
@@ -68,15 +69,8 @@ def exported(checkpoint: Path, dest: Path) -> Host:
     return load_host(artifacts, "hf", MODEL, settings=vision_settings())
 
 
-@contextmanager
-def running(host: Host) -> Iterator[Engine]:
-    engine = build_engine(host, vision_settings(max_batch=1))
-    engine.start()
-    assert engine.wait_ready(120), engine.state_reason
-    try:
-        yield engine
-    finally:
-        engine.stop()
+def running(host: Host) -> AbstractContextManager[Engine]:
+    return running_engine(host, vision_settings(max_batch=1), 120)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +122,8 @@ def reuse(host: Host, engine: Engine, checkpoint: Path) -> None:
 
 @pytest.fixture(scope="module")
 def client(host: Host, engine: Engine) -> Iterator[OpenAI]:
-    config = vision_settings()
-    with live_server(config, build_engine(host, config), host) as server:
-        yield OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with served_openai(host, vision_settings()) as client:
+        yield client
 
 
 def test_chat_image_url_parts_give_transformers_tokens(host: Host, client: OpenAI, checkpoint: Path) -> None:

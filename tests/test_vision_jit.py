@@ -23,11 +23,10 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from server.app.runtime import Host, build_engine, load_host
+from server.app.runtime import Host, load_host
 from server.config import Settings
 from server.engine.engine import Engine
 from server.graphs.vision import VisionGraph
-from tests.support.api_fixtures import live_server
 from tests.support.recipe_helpers import SCRIPT
 from tests.support.vision import (
     ONE,
@@ -38,6 +37,8 @@ from tests.support.vision import (
     check_greedy_with_images,
     data_url,
     picture,
+    running_engine,
+    served_openai,
     tiny_vision_checkpoint,
 )
 
@@ -79,13 +80,8 @@ def host(request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pyt
 
 @pytest.fixture(scope="module")
 def engine(host: Host) -> Iterator[Engine]:
-    engine = build_engine(host, jit_settings())
-    engine.start()
-    assert engine.wait_ready(300), engine.state_reason
-    try:
+    with running_engine(host, jit_settings(), 300) as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def test_auto_serves_the_recipes_vision_graph(host: Host) -> None:
@@ -108,9 +104,8 @@ def test_a_causal_only_mask_would_give_other_tokens(checkpoint: Path) -> None:
 
 @pytest.fixture(scope="module")
 def client(host: Host, engine: Engine) -> Iterator[OpenAI]:
-    config = jit_settings()
-    with live_server(config, build_engine(host, config), host) as server:
-        yield OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with served_openai(host, jit_settings()) as client:
+        yield client
 
 
 def test_the_openai_sdk_sends_images_unmodified(host: Host, client: OpenAI, checkpoint: Path) -> None:

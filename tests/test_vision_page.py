@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Page
 
 from server.app.runtime import Host, build_engine, load_host
+from tests.support import browser as support_browser
 from tests.support.api_fixtures import LiveServer, live_server
-from tests.support.browser import launched_chromium
 from tests.support.vision import png_bytes, random_image, tiny_vision_checkpoint
 from tests.test_vision import MODEL, exported, vision_settings
 
@@ -30,21 +30,7 @@ def server(host: Host) -> Iterator[LiveServer]:
         yield live
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with launched_chromium() as launched:
-        yield launched
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1100, "height": 700})
-    opened = context.new_page()
-    opened.set_default_timeout(120_000)
-    try:
-        yield opened
-    finally:
-        context.close()
+browser, page = support_browser.browser, support_browser.page  # shared fixtures (pytest finds them by name)
 
 
 def test_the_page_attaches_an_image_shows_it_and_sends_it(server: LiveServer, page: Page, tmp_path: Path) -> None:

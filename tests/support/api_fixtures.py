@@ -37,7 +37,7 @@ from server.config import Settings
 from server.engine.engine import Engine
 from server.graphs.base import Graph, OneSlotGraph
 from tests.support.models import demo_dir
-from tests.support.wait import wait_until
+from tests.support.wait import wait_serving, wait_until
 
 T = TypeVar("T")
 API_KEY = "sk-test-key"
@@ -217,19 +217,8 @@ def spawn_serve(*args: str, timeout: float = 120) -> tuple[subprocess.Popen[str]
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.communicate()[0][-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the server never became healthy:\n{proc.communicate()[0][-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    wait_serving(proc, f"{url}/health", timeout)
+    return proc, url
 
 
 def metric(url: str, name: str, **labels: str) -> float:

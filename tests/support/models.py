@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,33 +74,41 @@ def gemma_tokenizer_json() -> Path:
     return dest / "tokenizer.json"
 
 
+# The tiny Gemma-4's layers, with every feature of the 26B: k_eq_v global layers with their own head_dim and kv heads,
+# a MoE block (top-2 of 8) beside the shared MLP, a tied lm_head, the soft-cap; divisible by tp=2 wherever the recipe
+# shards. tiny_gemma4_config (the real 262k vocabulary) and the recipe tests' TINY (recipe_helpers) add the rest.
+TINY_GEMMA4_LAYERS: dict[str, object] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=8,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    attention_k_eq_v=True,
+    hidden_size_per_layer_input=0,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
+
+
 def tiny_gemma4_config(**overrides: object) -> object:
     from transformers.models.gemma4 import Gemma4TextConfig
 
     values: dict[str, object] = dict(
+        TINY_GEMMA4_LAYERS,
         vocab_size=262144,
-        hidden_size=64,
-        intermediate_size=96,
         num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
         sliding_window=24,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        enable_moe_block=True,
-        num_experts=8,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        attention_k_eq_v=True,
-        hidden_size_per_layer_input=0,
-        final_logit_softcapping=30.0,
         max_position_embeddings=2048,
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,
-        tie_word_embeddings=True,
     )
     values.update(overrides)
     return Gemma4TextConfig(**values)
@@ -115,12 +124,20 @@ def round_table_to_bf16(model: Any) -> None:
         emb.copy_(emb.to(torch.bfloat16).float())
 
 
+def reference_model(checkpoint: Path) -> Any:
+    """transformers' own model of `checkpoint`, f32, in eval mode: the reference the served graphs must match."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
 def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, bf16_table: bool = False, **overrides: object) -> Path:
     """Save a random tiny Gemma-4 causal LM + the real tokenizer into `dest` (cached by its arguments).
     `bf16_table`: the (tied) embedding rounded to bf16, so that a recipe artifact (its table is bf16) and the f32
     reference read the same rows and the same lm_head (a tiny random model has near-ties)."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
     from transformers.models.gemma4 import Gemma4ForCausalLM
 
     if (dest / "config.json").is_file():
@@ -136,10 +153,20 @@ def tiny_gemma4_checkpoint(dest: Path, *, seed: int = 0, bf16_table: bool = Fals
             layer.layer_scalar.fill_(0.5 + 0.1 * index)
         if bf16_table:
             round_table_to_bf16(model)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    return save_checkpoint(model, dest, tokenizer.save_pretrained)
+
+
+def save_checkpoint(model: Any, dest: Path, add_files: Callable[[Path], object]) -> Path:
+    """`model` saved as a checkpoint with Gemma's generation config, plus what `add_files` writes beside it (the
+    tokenizer), in a staging directory renamed to `dest` once complete: a run that dies leaves no half checkpoint
+    that the next run's `config.json` check would take for a finished one."""
+    from transformers import GenerationConfig
+
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     GenerationConfig(bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0).save_pretrained(staging)
-    AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(staging)
+    add_files(staging)
     staging.rename(dest)
     return dest

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.models import tokenizer_dir
+from tests.support.models import TINY_GEMMA4_LAYERS, tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "server" / "vendor" / "tp_mb_moe_sqz.py"
@@ -36,30 +36,16 @@ def load_recipe():
     return sys.modules[name]
 
 
-# Tiny, but with every feature of the 26B: both layer types (sliding window < prompt), k_eq_v global layers with
-# their own head_dim / kv heads, proportional partial rope, MoE block (top-2 of 8) beside the shared MLP, tied
-# lm_head, soft-cap, layer scalars != 1. Divisible by tp=2 everywhere the recipe shards.
-TINY = dict(
+# Tiny, but with every feature of the 26B: the tiny Gemma-4's layers (k_eq_v globals, MoE beside the shared MLP, tied
+# lm_head, soft-cap; divisible by tp=2), both layer types (sliding window < prompt), proportional partial rope, layer
+# scalars != 1; a 256-token vocabulary, so that the recipe's tables stay small.
+TINY: dict[str, object] = dict(
+    TINY_GEMMA4_LAYERS,
     vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    num_global_key_value_heads=1,
     sliding_window=8,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    enable_moe_block=True,
-    num_experts=8,
-    top_k_experts=2,
-    moe_intermediate_size=32,
-    attention_k_eq_v=True,
-    hidden_size_per_layer_input=0,
-    final_logit_softcapping=30.0,
     max_position_embeddings=256,
-    tie_word_embeddings=True,
     rms_norm_eps=1e-6,
 )
 LAYER_SCALARS = (0.55, 1.35, 0.8, 1.2)

@@ -1,5 +1,9 @@
 """The naive sampling reference the equivalence tests compare `server.sampling.sampler` against: soft-cap everything, sort the
-whole vocabulary (the HF warpers' way), and what `Sampler.sample` draws from, as a distribution."""
+whole vocabulary (the HF warpers' way), and what `Sampler.sample` draws from, as a distribution; `chi_square_ok`, the
+test of drawn tokens against a distribution.
+
+The bench's own full-sort baseline (`server.tools.bench.host.full_sort_top_p`, what `sampling_speedup_vs_full_sort`
+divides by) is product code: tests/test_bench.py checks it against this reference, never the other way round."""
 
 from __future__ import annotations
 
@@ -49,3 +53,18 @@ def candidate_distribution(
     ids = torch.arange(x.numel()) if c.ids is None else torch.as_tensor(c.ids[: c.n])  # (n,)
     weights = torch.as_tensor(c.weights[: c.n], dtype=torch.float64)  # (n,)
     return ids, (weights / float(c.cum[c.n - 1])).float()  # (n,), (n,)
+
+
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson chi-square against expected probabilities, at p = 1e-4 (Wilson-Hilferty critical value)."""
+    n = int(counts.sum())
+    support = probs > 0
+    assert int(counts[~support].sum()) == 0, "drew a token outside the support"
+    expected = probs[support].double() * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    if df == 0:
+        return True
+    z = 3.719  # one-sided normal quantile for 1e-4
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
-from tests.support.models import cache_root, round_table_to_bf16, tiny_gemma4_config
+from tests.support.models import cache_root, round_table_to_bf16, save_checkpoint, tiny_gemma4_config
 
 # Gemma-4's multimodal tokens (ids as in transformers' Gemma4Config defaults) and the Gemma-3 ids they replace.
 MEDIA_TOKENS: dict[str, tuple[int, str]] = {
@@ -50,6 +52,7 @@ PICTURES = {"square": (64, 64, 1), "wide": (96, 64, 2), "tall": (48, 80, 3)}  # 
 
 if TYPE_CHECKING:
     from server.app.runtime import Host
+    from server.config import Settings
     from server.engine.engine import Engine
     from server.engine.types import Finish, GenerationRequest
 
@@ -130,8 +133,6 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
     the hf graph rewind its caches (transformers' sliding ring cannot once it wrapped), for the prefix-reuse tests.
     `bf16_table`: the (tied) embedding rounded to bf16, so that the recipe's artifact (its table is bf16) and the
     f32 reference read the same rows and the same lm_head."""
-    from transformers import GenerationConfig
-
     table = "-bf16" if bf16_table else ""
     dest = dest or cache_root() / f"gemma4-vision-{_VERSION}-{seed}-w{sliding_window}{table}"
     if (dest / "config.json").is_file():
@@ -139,16 +140,15 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
     model = tiny_vision_model(tiny_vision_config({"sliding_window": sliding_window}), seed)
     if bf16_table:
         round_table_to_bf16(model)
-    staging = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    GenerationConfig(bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0).save_pretrained(staging)
+    return save_checkpoint(model, dest, _add_vision_files)
+
+
+def _add_vision_files(staging: Path) -> None:
+    """The vision checkpoint's tokenizer and template (vision_cfg_dir's) and its image processor."""
     cfg = vision_cfg_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(cfg / name, staging / name)
     image_processor().save_pretrained(staging)
-    staging.rename(dest)
-    return dest
 
 
 def random_image(width: int, height: int, seed: int = 0) -> Any:
@@ -291,3 +291,29 @@ def check_a_causal_only_mask_differs(checkpoint: Path) -> None:
     inputs = reference_prompt(TWO, [picture("square"), picture("wide")])
     assert reference_generate(checkpoint, inputs, NEW_TOKENS) != reference_generate(checkpoint, inputs, NEW_TOKENS,
                                                                                     bidirectional=False)
+
+
+@contextmanager
+def running_engine(host: Host, settings: Settings, ready_s: float) -> Iterator[Engine]:
+    """An engine on `host`, started and ready (else the test fails saying why), stopped afterwards."""
+    from server.app.runtime import build_engine
+
+    engine = build_engine(host, settings)
+    engine.start()
+    assert engine.wait_ready(ready_s), engine.state_reason
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@contextmanager
+def served_openai(host: Host, settings: Settings) -> Iterator[Any]:
+    """The `openai` SDK on a live server of `host` (its own engine)."""
+    from openai import OpenAI
+
+    from server.app.runtime import build_engine
+    from tests.support.api_fixtures import live_server
+
+    with live_server(settings, build_engine(host, settings), host) as server:
+        yield OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
