@@ -91,6 +91,28 @@ def test_choose_takes_the_longest_prefix_when_it_is_half_the_prompt_else_the_lea
     assert slots.choose([9]) is third
 
 
+
+def test_a_short_newcomer_evicts_an_empty_or_short_cache_before_a_long_one() -> None:
+    # An agent's long prefix (more than one prefill call to rebuild) idle longest; a probe must not take its slot.
+    slots = KVSlots(lambda slot, position: position, 3, short=8)
+    agent, chat, spare = (slots.choose([n]) for n in (1, 2, 3))
+    agent.tokens, chat.tokens, spare.tokens = list(range(100, 140)), [7, 8, 9], []
+    for slot in (agent, chat, spare):
+        slots.release(slot)
+    assert slots.choose([42]) is spare  # empty first, though it was used last
+    assert slots.choose([43]) is chat  # then the short cache
+    slots.release(chat)
+    slots.release(spare)
+    chat.tokens, spare.tokens = [7, 8, 9], [5, 6]
+    assert slots.choose([44]) is spare  # the least recently used of the short ones (spare was taken before chat)
+    assert slots.choose([45]) is chat
+    assert slots.choose([46]) is agent  # the long one only when nothing else is free
+    # The agent's next turn still finds its prefix when a short slot was free: match beats eviction order.
+    for slot in (agent, chat, spare):
+        slots.release(slot)
+    assert slots.choose(list(range(100, 140)) + [1]) is agent
+
+
 # ------------------------------------------------------------------------------------------------------ scheduler
 
 

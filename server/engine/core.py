@@ -69,8 +69,9 @@ class EngineCore:
         self.constraints = constraints  # a request's constraint values -> this run's matcher
         self.request_timeout_s = request_timeout_s
         self.runner = Runner(graph, embedding, lock, watch, vision)
-        self.scheduler = Scheduler(graph.prefill_buckets, KVSlots(graph.rewind_slot, capacity), capacity,
-                                   prefix_reuse=prefix_reuse, policy=policy)
+        # A cache that one prefill call rebuilds is cheap to evict (server.engine.kv: probes spare an agent's prefix).
+        slots = KVSlots(graph.rewind_slot, capacity, short=max(graph.prefill_buckets))
+        self.scheduler = Scheduler(graph.prefill_buckets, slots, capacity, prefix_reuse=prefix_reuse, policy=policy)
         self.records: dict[RequestHandle, Sequence] = {}  # every request until its caller has its Finish, in order
         self._lock = lock
         self._watch = watch

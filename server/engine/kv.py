@@ -6,10 +6,14 @@ prompt again (the 2nd..nth choice of a request, a regenerated answer) costs no g
   sampled from, and the graph does not hand back logits it computed earlier.
 - The graph has the last word on what it can keep: `rewind` answers where it can really continue (server.graphs.base).
 - An idle slot keeps its KV until a newcomer needs it: `KVSlots.choose` gives a prompt the free slot holding the
-  longest prefix of it (a user's next turn finds its own conversation) when that prefix is at least half the prompt,
-  else the least recently used one (never-used slots first). The half is llama.cpp's --slot-prompt-similarity 0.5:
-  without it, a shared BOS or system prompt would send every newcomer into some other user's conversation and evict
-  it, while an empty slot stood by.
+  longest prefix of it (a user's next turn finds its own conversation) when that prefix is at least half the prompt.
+  The half is llama.cpp's --slot-prompt-similarity 0.5: without it, a shared BOS or system prompt would send every
+  newcomer into some other user's conversation and evict it, while an empty slot stood by.
+- Else a slot is evicted, the cheapest to lose first: an empty one, then one whose cache is *short* (no longer than
+  one prefill call: `short`, the largest prefill bucket), the least recently used of those, and only then a long one
+  (least recently used). A coding agent's 10-30k-token prefix costs tens of prefill calls to rebuild; its probes and
+  side requests (`max_tokens: 1`, a title) and short chats churn the short slots and leave it in place. Plain LRU
+  would hand such a request the agent's slot whenever the agent was the one idle longest.
 """
 
 from __future__ import annotations
@@ -99,23 +103,31 @@ SIMILARITY = 0.5  # a free slot is chosen for its cached prefix only when that c
 class KVSlots:
     """The slots a scheduler may use, and which of them are free (no running sequence)."""
 
-    def __init__(self, rewind_slot: Callable[[int, int], int], count: int) -> None:
+    def __init__(self, rewind_slot: Callable[[int, int], int], count: int, short: int | None = None) -> None:
+        """`short`: a cache of at most this many tokens is cheap to rebuild (one prefill call); None: any is."""
         self.all = [KVSlot(_rewinder(rewind_slot, s), s) for s in range(count)]
         self.free: list[KVSlot] = list(self.all)
+        self.short = short
         self._clock = 0
 
     def choose(self, prompt: Sequence[int], prefix_reuse: bool = True) -> KVSlot:
-        """Take the free slot holding the longest prefix of `prompt`, if at least half of it (SIMILARITY); else the least
-        recently used (an eviction, or a never-used slot). There must be a free slot."""
+        """Take the free slot holding the longest prefix of `prompt`, if at least half of it (SIMILARITY); else evict the
+        cheapest to lose (`eviction_order`). There must be a free slot."""
         matches = [(s.match(prompt, prefix_reuse), -s.last_used, s.index) for s in self.free]
         best = max(matches)
-        if best[0] < SIMILARITY * len(prompt):
-            best = max(matches, key=lambda m: (m[1], m[2]))  # the least recently used
         slot = self.all[best[2]]
+        if best[0] < SIMILARITY * len(prompt):
+            slot = min(self.free, key=self._eviction_order)
         self.free.remove(slot)
         self._clock += 1
         slot.last_used = self._clock
         return slot
+
+    def _eviction_order(self, slot: KVSlot) -> tuple[bool, bool, int, int]:
+        """Smallest first: empty, then short (<= `short` tokens), then long; the least recently used within each."""
+        held = len(slot.tokens)
+        long = self.short is not None and held > self.short
+        return long, held > 0, slot.last_used, slot.index
 
     def release(self, slot: KVSlot) -> None:
         """`slot`'s sequence ended: free again, its KV kept for whoever comes back to it."""
