@@ -112,7 +112,7 @@ def _add_bench(sub: _Subcommands) -> None:
                        help="with --concurrency: a v3 build to measure")
     bench.add_argument("--graph", dest="bench_graph", default="jit", choices=GRAPH_KINDS,
                        help="with --artifacts: its graph kind (default: jit)")
-    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision}",
+    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     _add_bench_parts(parts)
 
@@ -131,6 +131,14 @@ def _add_bench_parts(parts: _Subcommands) -> None:
     vision.add_argument("--budgets", type=_counts, default=(70, 140, 280), metavar="N,N,...",
                         help="soft-token budgets to time (default: 70,140,280)")
     _add_json(vision)
+    prefill = parts.add_parser("prefill", help="the time to prefill one long prompt through an export's graph (an "
+                               "agent's first request)")
+    prefill.add_argument("--artifacts", type=Path, required=True, metavar="DIR", help="the export to measure")
+    prefill.add_argument("--graph", default="hf", choices=GRAPH_KINDS, help="its graph kind (default: hf)")
+    prefill.add_argument("--tokens", type=int, default=18_900, metavar="N",
+                         help="prompt tokens (default: 18,900, a Claude Code request's size after one retry)")
+    prefill.add_argument("--repeat", type=int, default=3, metavar="K", help="timed runs (default: 3; the median)")
+    _add_json(prefill)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -210,7 +218,16 @@ def _bench_constraints(args: argparse.Namespace) -> int:
     return constraints.run(args.cfg, args.json_path)
 
 
-BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints}
+def _bench_prefill(args: argparse.Namespace) -> int:
+    from server.tools.bench import prefill
+    from server.tools.bench.report import report
+
+    report(prefill.measure(args.artifacts, args.graph, args.tokens, args.repeat), args.json_path)
+    return 0
+
+
+BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints,
+               "prefill": _bench_prefill}
 
 
 def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:

@@ -111,3 +111,26 @@ def test_the_benchs_full_sort_baseline_samples_the_reference_distribution() -> N
     assert chi_square_ok(torch.bincount(tokens, minlength=5), reference_probs(logits, params, GEMMA4_SOFTCAP))
     greedy = SamplingParams(temperature=0.0, logit_bias=((4, 10.0),))
     assert full_sort_top_p(logits, greedy, g, GEMMA4_SOFTCAP) == 4
+
+
+@pytest.mark.slow
+def test_bench_prefill_times_one_long_prompt_in_chunks(tmp_path: Path) -> None:
+    """`bench prefill --artifacts DIR`: one prompt of --tokens ids prefilled in the export's chunks, --repeat times;
+    the same report (a table, then the JSON line, also written to --json)."""
+    from server.tools.export import export
+    from tests.support.models import tiny_gemma4_checkpoint
+
+    artifacts = export(tiny_gemma4_checkpoint(tmp_path / "checkpoint"), tmp_path / "artifacts", prefill_bucket=128,
+                       max_total=512, dtype="float32")
+    # A prompt the context cannot hold (with room for one generated token) is refused by name, before any loading.
+    refused = subprocess.run([sys.executable, "-m", "server", "bench", "prefill", "--artifacts", str(artifacts),
+                              "--tokens", "512"], capture_output=True, text=True, timeout=900)
+    assert refused.returncode != 0 and "at most 511 prompt tokens" in refused.stderr
+    out = tmp_path / "prefill.json"
+    done = subprocess.run([sys.executable, "-m", "server", "bench", "prefill", "--artifacts", str(artifacts), "--tokens",
+                           "400", "--repeat", "1", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    assert (results["prompt_tokens"], results["prefill_bucket"], results["chunks"]) == (400, 128, 4)
+    assert len(results["seconds"]) == 1 and results["median_s"] > 0 and results["prompt_tok_per_s"] > 0

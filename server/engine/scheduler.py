@@ -2,9 +2,9 @@
 prefill chunk of a newcomer, or one decode step over every sequence that has its prompt in the cache.
 
 - Admission: a sequence gets a free KV slot (server.engine.kv.KVSlots.choose: the longest cached prefix of its
-  prompt, else the cheapest cache to lose: empty, short, then long); at most `capacity` run at once (the graph's slots, its largest decode
-  batch, and --max-batch, whichever is least). Who is admitted when is the engine core's (first come, first served);
-  here, where.
+  prompt, else the cheapest cache to lose: empty, short, then long); at most `capacity` run at once (the graph's
+  slots, its largest decode batch, and --max-batch, whichever is least). Who is admitted when is the engine core's
+  (first come, first served); here, where.
 - What runs next is the policy's (`Policy`, swappable): it is handed the ready prefilling sequences (admitted, their
   host work done, chunks left) and the decoding ones, both in admission order, and returns the step.
   `Alternate`, the first policy: a prefill chunk, then a decode step, then the next chunk, while both kinds of work
