@@ -114,23 +114,23 @@ class EngineCore:
         """A waiting request could take a slot now."""
         return self.scheduler.has_room and self._first_admissible() is not None
 
-    def _first_admissible(self) -> Sequence | None:
+    def _waiting(self) -> list[Sequence]:
+        """The waiting requests, in submission order (a snapshot: the API's threads add to `records`)."""
         with self._lock:
-            return next((seq for seq in self.records.values() if seq.state is State.WAITING
-                         and (seq.after is None or seq.after.finished)), None)
+            return [seq for seq in self.records.values() if seq.state is State.WAITING]
+
+    def _first_admissible(self) -> Sequence | None:
+        return next((seq for seq in self._waiting() if seq.after is None or seq.after.finished), None)
 
     def expire_waiting(self, now: float) -> None:
         """Waiting requests past their wall-clock limit end now (the watchdog's, even while the device is stuck)."""
-        with self._lock:
-            expired = [seq for seq in self.records.values() if seq.state is State.WAITING and now > seq.deadline]
-        for seq in expired:
-            self._expire(seq)
+        for seq in self._waiting():
+            if now > seq.deadline:
+                self._expire(seq)
 
     def cancel_waiting(self) -> None:
         """Every waiting request ends, cancelled: nobody may wait forever on a request the engine will never run."""
-        with self._lock:
-            waiting = [seq for seq in self.records.values() if seq.state is State.WAITING]
-        for seq in waiting:
+        for seq in self._waiting():
             self._retire(seq, self._unrun(seq, "cancelled"))
 
     # ----------------------------------------------------------------- the step (the device-owner thread)
@@ -196,7 +196,7 @@ class EngineCore:
         """A prefilling sequence that was cancelled, or whose host work failed, ends now, not when its chunk comes up:
         checked between any two graph calls, so its slot is free within one step."""
         for seq in self.scheduler.prefilling:
-            failed = next((work.exception() for work in seq.preparing if work.done() and work.exception()), None)
+            failed = next((error for work in seq.preparing if work.done() and (error := work.exception())), None)
             if seq.handle.cancelled.is_set():
                 seq.reason = "cancelled"
             elif failed is not None:

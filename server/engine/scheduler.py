@@ -120,11 +120,12 @@ class Scheduler:
         reuse = self.prefix_reuse and seq.prompt_logprobs is None
         kv = self.slots.choose(prompt, reuse)
         start, kept = kv.reuse(prompt, reuse)
-        inside = next((begin for begin, end in seq.image_blocks if begin < start < end), None)
+        blocks = seq.image_blocks
+        inside = next((begin for begin, end in blocks if begin < start < end), None)
         if inside is not None:  # the graph can continue only mid-image (a rewind): the whole image again
             start, kept = kv.rewind_to(inside), None
         seq.kv, seq.reused_tokens = kv, start
-        seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets, seq.image_blocks))
+        seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets, blocks))
         self.active.append(seq)
         return kept
 
