@@ -18,8 +18,11 @@ from server.constraints.planner import plan_constraint
 from server.constraints.vocab import ConstraintLimits, GrammarVocab
 from server.model.tokenizer import HostTokenizer
 from server.protocol.gemma4_grammar import GEMMA4_CALLS
+from tests import test_constraints
 from tests.support.gemma4_tokenizer import GEMMA4_TOKENS, STOP_IDS
-from tests.test_constraints import V, tokenizer, vocab  # noqa: F401 - module fixtures
+from tests.test_constraints import V
+
+tokenizer, vocab = test_constraints.tokenizer, test_constraints.vocab  # the module fixtures
 
 CODEX = json.loads((Path(__file__).parent / "data" / "agents" / "codex" / "exec-first-turn.json").read_text())
 LARK = next(tool for tool in CODEX["tools"] if tool["type"] == "custom")["format"]["definition"]

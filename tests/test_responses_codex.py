@@ -209,7 +209,7 @@ def test_a_regex_custom_tool_and_a_free_text_one(server: LiveServer, client: Ope
 def test_an_invalid_or_oversized_grammar_is_a_400_naming_it(server: LiveServer) -> None:
     cases = [
         {"type": "grammar", "syntax": "lark", "definition": "start: undefined_rule\n"},
-        {"type": "grammar", "syntax": "lark", "definition": "start: \"a\" |\n"},
+        {"type": "grammar", "syntax": "lark", "definition": "start: \"a\" ) (\n"},
         {"type": "grammar", "syntax": "regex", "definition": "(unclosed"},
         {"type": "grammar", "syntax": "lark", "definition": "start: " + " | ".join(f'"{i}"' for i in range(20000))},
         {"type": "grammar", "syntax": "ebnf", "definition": "x"},

@@ -87,7 +87,7 @@ def chat_tool(tool: FunctionTool | CustomTool) -> dict[str, Any]:
     described = tool.description or ""
     field: dict[str, Any] = {"type": "string", "description": "The tool's input: raw text, not JSON."}
     if tool.format.type == "grammar":
-        syntax, definition = tool.format.syntax, tool.format.definition  # type: ignore[union-attr]
+        syntax, definition = tool.format.syntax, tool.format.definition
         described += (f"\n\nWrite the whole input as the `{CUSTOM_INPUT}` string; it must match this {syntax} "
                       f"grammar:\n```\n{definition}\n```")
         field[GRAMMAR_KEY] = {"syntax": syntax, "definition": definition}
