@@ -340,12 +340,12 @@ def test_refused_fields_are_400s_naming_them(server: LiveServer) -> None:
     cases = [
         ({"foo": 1}, "foo"),
         ({"conversation": "conv_1"}, "conversation"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "file_search"}]}, "tools"),  # web_search is accepted, not offered (Codex sends it)
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),  # reasoning.encrypted_content is accepted
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/$defs/missing"}}}},

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.requests import ClientDisconnect, Request
 
+from server.api.content_encoding import codings, decoded
 from server.errors import APIError
 from server.json_text import finite
 
@@ -29,6 +30,7 @@ from server.json_text import finite
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "prediction", "safety_identifier", "prompt_cache_key",
     "prompt_cache_retention", "parallel_tool_calls_hint", "modalities", "verbosity",
+    "client_metadata",  # the Responses API's (Codex CLI sends its session and turn ids there)
 })
 REFUSED_HINTS = {
     "suffix": "Gemma has no fill-in-the-middle format",
@@ -54,8 +56,12 @@ def check_json_content_type(request: Request) -> None:
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The raw body of a JSON route: declared as JSON (415, `check_json_content_type`), refusing more than `limit` bytes
-    both by Content-Length and as it streams in (413), and a body that takes longer than `timeout_s` to arrive (408)."""
+    both by Content-Length and as it streams in (413), and a body that takes longer than `timeout_s` to arrive (408).
+    A body sent with `Content-Encoding` gzip, deflate or zstd is decoded, its decoded size bounded by `limit` too (413;
+    server.api.content_encoding); any other encoding is a 415 before a byte is read."""
     check_json_content_type(request)
+    encoding = request.headers.get("content-encoding")
+    codings(encoding)  # an unsupported coding is refused before the body is read
     too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
                          code="request_too_large")
     declared = request.headers.get("content-length")
@@ -77,7 +83,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     except ClientDisconnect:  # gone before the body was complete: nobody to answer, and not a server error
         raise APIError(499, "The client closed the connection before the request body was complete.",
                        code="client_closed_request") from None
-    return bytes(body)
+    return decoded(bytes(body), encoding, limit) if encoding else bytes(body)
 
 
 class BodyPart(BaseModel):

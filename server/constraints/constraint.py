@@ -31,7 +31,8 @@ class ConstraintError(InvalidRequest):
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
-    """The output must match this grammar: llguidance's Lark dialect, special tokens referenced by id (`<[48]>`)."""
+    """The output must match this grammar: llguidance's Lark dialect, special tokens referenced by id (`<[48]>`); or,
+    with client grammars, llguidance's top-level JSON joining it with them (server.constraints.client_grammar)."""
 
     lark: str
 
@@ -63,9 +64,12 @@ class CallFormat(Protocol):
     # None: the format has no thought channel.
     thought: tuple[str, str] | None
 
-    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> str:
+    def call_grammar(self, vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
+                     loose: bool = False) -> str:
         """Lark rules defining `call`: one call to a function among `names` (all tools when None), its arguments valid
         for that function's parameters (the planner writes the start rule: how many calls, after which thought).
+        A string parameter carrying a client grammar (server.constraints.client_grammar) is written as a reference to
+        that sub-grammar. `loose`: only such tools' arguments are enforced, any other tool's are any object.
         Raises ConstraintError for what it cannot enforce."""
         ...
 

@@ -5,6 +5,11 @@
 named function: the protocol's grammar of calls to the declared functions (`CallFormat.call_grammar`); "none": the
 call-opening token banned; "auto" with `parallel_tool_calls: false`: free until the first call closes, then only a
 stop id. Either grammar may follow a thought when thinking is on.
+
+A tool whose string parameter carries a client grammar (a Responses `custom` tool with a `grammar` format,
+server.constraints.client_grammar) has that grammar enforced whenever its call is written: under a forcing
+tool_choice as part of the call grammar, and under "auto" too, where the output is free text (text tokens only) and
+calls, each call's name free among the tools but a grammar tool's input held to its grammar from the call's start.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from server.constraints.client_grammar import client_grammars, joined, lark_of
 from server.constraints.constraint import BannedIds, ConstraintError, Grammar, StopAfter, function_of
 from server.constraints.json_schema import json_grammar
 
@@ -40,17 +46,23 @@ def plan_constraint(vocab: GrammarVocab, calls: CallFormat | None, *,
     if fmt != "text":
         param = "response_format.json_schema.schema" if fmt == "json_schema" else "response_format"
         return _compiled(vocab, json_grammar(response_format or {}, vocab.limits), channel, param)
-    if not tools or choice == "auto" and parallel_tool_calls:
+    graded = _checked_client_grammars(vocab, tools or ())
+    if not tools or choice == "auto" and parallel_tool_calls and not graded:
         return None
     if calls is None:
         raise ConstraintError("tools: this model has no native tool-call format", "tools")
     if choice == "none":
         return BannedIds((vocab.token_id(calls.call_open),))
+    if choice == "auto" and graded:  # free text, then calls; a grammar tool's input enforced once its call begins
+        # The thought channel is allowed even with thinking off: free text was free to open it before.
+        rules = calls.call_grammar(vocab, tools, None, loose=True) + "FREE: /(?s:.+)/\n"
+        return _compiled(vocab, "FREE? (call FREE?)*" if parallel_tool_calls else "FREE? call?", calls.thought,
+                         "tools", rules, tools)
     if choice == "auto":
         return StopAfter(vocab.token_id(calls.call_close))
     names = [tool_choice["function"]["name"]] if choice == "named" else None  # type: ignore[index]
     rules = calls.call_grammar(vocab, tools, names)
-    return _compiled(vocab, "call+" if parallel_tool_calls else "call", channel, "tools", rules)
+    return _compiled(vocab, "call+" if parallel_tool_calls else "call", channel, "tools", rules, tools)
 
 
 def _with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None) -> str:
@@ -63,22 +75,39 @@ def _with_thought(vocab: GrammarVocab, body: str, channel: tuple[str, str] | Non
             "THOUGHT: /(?s:.*)/\n")
 
 
-def _compiled(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None, param: str, rules: str = "") -> Grammar:
+def _compiled(vocab: GrammarVocab, body: str, channel: tuple[str, str] | None, param: str, rules: str = "",
+              tools: Sequence[Mapping[str, Any]] = ()) -> Grammar:
     """The grammar of `body` (after a thought in `channel`, if given) as a value, compiled once now: what does not
-    compile, or can never be satisfied, is the request's error naming `param`, not the engine's.
+    compile, or can never be satisfied, is the request's error naming `param`, not the engine's. With `tools`, the
+    client grammars they carry join it as sub-grammars (a top-level grammar, server.constraints.client_grammar).
 
     With a thought channel the start state allows the thought's opening token whatever follows it, so the output
     after the thought is compiled alone too: its start state is where an unsatisfiable schema shows (vocab.compile)."""
-    lark = _with_thought(vocab, body, channel) + rules
+    limit = vocab.limits.max_spec_chars
+    lark = joined(_with_thought(vocab, body, channel) + rules, tools, limit)
     try:
         if channel is not None:
-            vocab.compile(_with_thought(vocab, body, None) + rules)
+            vocab.compile(joined(_with_thought(vocab, body, None) + rules, tools, limit))
         vocab.compile(lark)
     except ConstraintError as exc:
         if exc.param is not None:
             raise
         raise ConstraintError(f"{param}: {exc.message}", param) from None
     return Grammar(lark)
+
+
+def _checked_client_grammars(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any tool carries a client grammar; each compiled alone first (before the call grammar that joins them),
+    so that its mistakes and its size are named as its own."""
+    found = False
+    for i, spec in client_grammars(tools):
+        where = f"tools[{i}].format.definition"
+        try:
+            vocab.compile(lark_of(spec, vocab.limits.max_spec_chars, where))
+        except ConstraintError as exc:
+            raise ConstraintError(exc.message if exc.param else f"{where}: {exc.message}", where) from None
+        found = True
+    return found
 
 
 def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None) -> str:

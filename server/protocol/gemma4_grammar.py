@@ -8,6 +8,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from server.constraints.client_grammar import GRAMMAR_KEY, client_grammars, grammar_name
 from server.constraints.constraint import ConstraintError, function_of
 from server.protocol.base import TOOL_NAME_RULE, is_tool_name
 from server.protocol.gemma4 import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
@@ -16,9 +17,14 @@ if TYPE_CHECKING:
     from server.constraints.vocab import ConstraintLimits, GrammarVocab
 
 
-def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> str:
+def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], names: Collection[str] | None, *,
+                      loose: bool = False) -> str:
     """Lark rules defining `call`: `<|tool_call>call:NAME{args}<tool_call|>`, NAME among `names` (all tools when None),
-    args valid for NAME's JSON schema in Gemma's syntax."""
+    args valid for NAME's JSON schema in Gemma's syntax. A string property carrying a client grammar (GRAMMAR_KEY) is
+    that grammar, referenced as a sub-grammar (server.constraints.client_grammar). `loose`: only the tools carrying a
+    client grammar have their arguments enforced; any other tool's are any object (tool_choice "auto": its calls
+    were never schema-enforced, and a call must stay as free as it was)."""
+    graded = {i for i, _ in client_grammars(tools)}
     limits = vocab.limits
     if len(tools) > limits.max_tools:
         raise ConstraintError(f"{len(tools)} tools; the limit is {limits.max_tools}", "tools")
@@ -34,7 +40,8 @@ def tool_call_grammar(vocab: GrammarVocab, tools: Sequence[Mapping[str, Any]], n
             raise ConstraintError(f"tools[{i}].function.name {function['name'][:80]!r} cannot be written in Gemma's "
                                   f"call syntax: a name is {TOOL_NAME_RULE}", f"tools[{i}].function.name")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        args = builder.arguments(parameters, f"tools[{i}].function.parameters")
+        args = (builder.any_object() if loose and i not in graded
+                else builder.arguments(parameters, f"tools[{i}].function.parameters"))
         alternatives.append(f"{_literal(function['name'])} {args}")
     call = f"call: {vocab.special(CALL_OPEN)} \"call:\" ({' | '.join(alternatives)}) {vocab.special(CALL_CLOSE)}"
     return call + "\n" + "\n".join(builder.rules) + "\n"
@@ -60,7 +67,7 @@ _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comme
                           "readOnly", "writeOnly", "strict"})
 _BY_TYPE = {
     "object": {"type", "properties", "required", "additionalProperties"},
-    "string": {"type", "enum", "const", "minLength", "maxLength"},
+    "string": {"type", "enum", "const", "minLength", "maxLength", GRAMMAR_KEY},
     "integer": {"type", "enum", "const"},
     "number": {"type", "enum", "const"},
     "boolean": {"type", "enum", "const"},
@@ -145,6 +152,8 @@ class GemmaGrammar:
         return self._object(schema, where, depth)
 
     def _string(self, schema: Mapping[str, Any], where: str) -> str:
+        if isinstance(schema.get(GRAMMAR_KEY), Mapping):  # a client's grammar: the text between the quotes is its
+            return self._rule(f"{self.quote} @{grammar_name(schema[GRAMMAR_KEY])} {self.quote}")
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
             raise ConstraintError(f"{where}: bad minLength/maxLength", where)
@@ -212,6 +221,11 @@ class GemmaGrammar:
                     skip, skip_empty = tail[i + 1, first]
                     tail[i, first] = (self._rule(" | ".join(f"({alt})" for alt in (written, skip) if alt)), skip_empty)
         return self._rule(" ".join(part for part in ('"{"', _ref(tail[0, True]), '"}"') if part))
+
+    def any_object(self) -> str:
+        """Any arguments object in Gemma's syntax (keys as the parser reads them, values any JSON)."""
+        member = self._rule(f'{self._terminal("/" + _KEY.pattern + "/")} ":" {self._any(1)}')
+        return self._rule(f'"{{" ({member} ("," {member})*)? "}}"')
 
     def _any(self, depth: int) -> str:
         """Any JSON value in Gemma's syntax, nested at most max_depth - depth levels more."""

@@ -18,6 +18,7 @@ import anyio
 from server.api.chat.prompts import invalid
 from server.api.given import GrammarSource
 from server.api.schemas import ChatCompletionRequest
+from server.constraints.client_grammar import client_grammars
 from server.constraints.constraint import ConstraintSpec
 from server.constraints.planner import plan_constraint
 from server.errors import APIError, InvalidRequest
@@ -80,7 +81,8 @@ def _constraint_fields(body: ChatCompletionRequest) -> Mapping[str, Any] | None:
     fmt = (response_format or {}).get("type", "text")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     choice = body.tool_choice
-    forced_or_banned = tools and (choice not in (None, "auto") or body.parallel_tool_calls is False)
+    forced_or_banned = tools and (choice not in (None, "auto") or body.parallel_tool_calls is False
+                                  or any(True for _ in client_grammars(tools)))  # a grammar tool: enforced in "auto"
     if fmt == "text" and not forced_or_banned:
         if isinstance(choice, dict) or choice == "required":
             raise APIError(400, "tool_choice: requires tools", param="tool_choice", code="invalid_value")

@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from server.api.given import ImageReader, ModelInfo
 from server.api.schemas import IMAGE_MARK, ChatCompletionRequest, Message, Tool
+from server.constraints.client_grammar import unmarked
 from server.engine.types import ImageInput, completion_budget
 from server.errors import APIError, InvalidRequest
 from server.protocol import ChatProtocol, PromptInputs
@@ -150,7 +151,8 @@ class Prompts:
                 images: Sequence[ImageInput] = ()) -> tuple[list[int], PromptInputs]:
         """The one rendering of a conversation (chat, the Responses API, /tokenize, /generate): the model's protocol
         (tools, thinking, tool messages), then its template."""
-        declared = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+        # (a client grammar a tool carries is the engine's, not the template's: server.constraints.client_grammar)
+        declared = [dict(unmarked(tool.model_dump(exclude_none=True))) for tool in tools] if tools else None
         try:
             inputs = self.protocol.prompt_inputs([m.template_dict() for m in messages], tools=declared,
                                                  chat_template_kwargs=chat_template_kwargs,

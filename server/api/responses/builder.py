@@ -18,10 +18,12 @@ from __future__ import annotations
 import copy
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from server.api.chat.plan import ChatPlan
 from server.api.responses.schemas import FunctionChoice, ReasoningConfig, ResponsesRequest, TextFormat
+from server.api.responses.translate import custom_input
 from server.engine.types import Delta, Finish
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta
 
@@ -30,7 +32,8 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
 
 
 def listed_item(item: dict[str, Any]) -> dict[str, Any]:
@@ -55,9 +58,12 @@ class OutputBuilder:
     text, a `function_call` item per complete call, a new item whenever the kind of text changes. Events carry copies:
     an item keeps growing after its `output_item.added` was sent."""
 
-    def __init__(self, parser: OutputParser, *, summary: bool = False) -> None:
+    def __init__(self, parser: OutputParser, *, summary: bool = False, custom: frozenset[str] = frozenset(),
+                 namespaces: Mapping[str, str] | None = None) -> None:
         self.parser = parser
         self._summary = summary  # the thought is also each reasoning item's summary (reasoning.summary was asked)
+        self._custom = custom  # names of custom tools: their calls are custom_tool_call items, their input raw text
+        self._namespaces = dict(namespaces or {})  # a namespaced tool's name -> its namespace
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item text is added to
         self._tokens = 0  # generated tokens fed so far
@@ -154,9 +160,13 @@ class OutputBuilder:
                  "item": copy.deepcopy(item)}]
 
     def _call(self, call: ToolCallDelta) -> list[dict[str, Any]]:
+        if call.name in self._custom:
+            return self._custom_call(call)
         events = self._close("completed")
         item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
                 "name": call.name, "arguments": ""}
+        if call.name in self._namespaces:
+            item["namespace"] = self._namespaces[call.name]
         self.items.append(item)
         events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
                        "item": copy.deepcopy(item)})
@@ -165,6 +175,25 @@ class OutputBuilder:
         item.update(arguments=call.arguments, status="completed")
         events.append({"type": "response.function_call_arguments.done", **self._where(item), "name": call.name,
                        "arguments": call.arguments})
+        events.append({"type": "response.output_item.done", "output_index": len(self.items) - 1,
+                       "item": copy.deepcopy(item)})
+        return events
+
+    def _custom_call(self, call: ToolCallDelta) -> list[dict[str, Any]]:
+        """A call to a custom tool: a `custom_tool_call` item, its `input` the raw text the model wrote as the call's
+        one string argument (server.api.responses.translate.chat_tool), with OpenAI's input delta/done events."""
+        events = self._close("completed")
+        text = custom_input(call.arguments)
+        item: dict[str, Any] = {"id": _new_id("ctc"), "type": "custom_tool_call", "status": "in_progress",
+                                "call_id": call.id, "name": call.name, "input": ""}
+        if call.name in self._namespaces:
+            item["namespace"] = self._namespaces[call.name]
+        self.items.append(item)
+        events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                       "item": copy.deepcopy(item)})
+        events.append({"type": "response.custom_tool_call_input.delta", **self._where(item), "delta": text})
+        item.update(input=text, status="completed")
+        events.append({"type": "response.custom_tool_call_input.done", **self._where(item), "input": text})
         events.append({"type": "response.output_item.done", "output_index": len(self.items) - 1,
                        "item": copy.deepcopy(item)})
         return events

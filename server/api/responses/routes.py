@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.chat.plan import ChatPlanner
 from server.api.http import parse, read_body
 from server.api.responses.builder import OutputBuilder, finished, listed_item, response_shell
-from server.api.responses.schemas import INPUT_ITEMS, ReasoningConfig, ResponsesRequest
+from server.api.responses.schemas import INPUT_ITEMS, CustomTool, ReasoningConfig, ResponsesRequest
 from server.api.responses.store import ResponseStore
 from server.api.responses.translate import chat_request, in_responses_terms
 from server.api.service import Service
@@ -73,7 +73,9 @@ class ResponsesRoutes:
         except APIError as exc:
             raise in_responses_terms(exc) from None
         shell = response_shell(response_id, body, plan)
-        builder = OutputBuilder(plan.new_parser(), summary=(body.reasoning or ReasoningConfig()).asked_summary is not None)
+        custom = frozenset(tool.name for tool in body.offered_tools() if isinstance(tool, CustomTool))
+        builder = OutputBuilder(plan.new_parser(), summary=(body.reasoning or ReasoningConfig()).asked_summary is not None,
+                                custom=custom, namespaces=body.namespaces())
 
         def keep(response: dict[str, Any]) -> None:
             if body.store is False:

@@ -1,17 +1,27 @@
 """The body of `POST /v1/responses` as pydantic models: `ResponsesRequest`, its input items (`InputItem`), tools and
 settings. What OpenAI has and this server cannot honour (`conversation`, hosted tools, `truncation: "auto"`,
-background responses, `include`) is a 400 naming it, never silently dropped."""
+background responses, `include` of anything but `reasoning.encrypted_content`) is a 400 naming it, never silently
+dropped. Codex CLI's defaults are taken: `custom` tools (freeform input, a grammar enforced), `namespace` tools, and
+`web_search` / `tool_search`, which are accepted and not offered to the model (`UNOFFERED_TOOLS`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from server.api.http import BodyPart, RequestBody
 from server.api.schemas import MinP, RepetitionPenalty, Seed, ToolName, TopK, joined_text_parts
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "custom_tool_call",
+              "custom_tool_call_output")
+# What `include` may ask for: reasoning items are always returned with their text (`content`), which this server reads
+# back when a client sends them again (Codex, `store: false`); there is nothing encrypted to add.
+INCLUDABLE = ("reasoning.encrypted_content",)
+# Tools that are not the model's to call here, accepted because Codex CLI sends them by default and left out of the
+# prompt (the model is never offered them): `web_search` needs a search backend this server does not have,
+# `tool_search` (client-executed) only searches deferred tools, which this server does not take.
+UNOFFERED_TOOLS = ("web_search", "tool_search")
 MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys up to 64 characters, values up to 512
 REFUSED = {
     "conversation": "the Conversations API is not served; continue a conversation with previous_response_id",
@@ -83,6 +93,19 @@ class FunctionCallOutputItem(_Item):
     output: Annotated[str, _text("input_text")]
 
 
+class CustomToolCallItem(_Item):
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str  # the raw text the model wrote (a freeform tool's input is not JSON)
+
+
+class CustomToolCallOutputItem(_Item):
+    type: Literal["custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Annotated[str, _text("input_text")]
+
+
 class ReasoningText(BodyPart):
     type: Literal["reasoning_text", "summary_text"]
     text: str
@@ -107,8 +130,8 @@ class ReasoningItem(_Item):
         return "".join(part.text for part in self.content or ()) or "\n".join(part.text for part in self.summary)
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                      Field(discriminator="type")]
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CustomToolCallItem
+                      | CustomToolCallOutputItem, Field(discriminator="type")]
 INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])  # a conversation (stored dicts) back as items
 
 
@@ -123,8 +146,51 @@ class FunctionTool(BodyPart):
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
+class GrammarFormat(BodyPart):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1)
+
+
+class FreeTextFormat(BodyPart):
+    type: Literal["text"]
+
+
+class CustomTool(BodyPart):
+    """A freeform tool: its input is raw text (a grammar's language, or any text), not a JSON object."""
+
+    type: Literal["custom"]
+    name: ToolName
+    description: str | None = None
+    format: Annotated[FreeTextFormat | GrammarFormat, Field(discriminator="type")] = FreeTextFormat(type="text")
+
+
+class NamespaceTool(BodyPart):
+    """A group of tools under one name (Codex's `multi_agent_v1`): each of its tools is offered as itself; a call to
+    one is returned with `namespace` set."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]]
+
+
+class UnofferedTool(BodyPart):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)  # echoed back as sent
+    type: Literal["web_search", "tool_search"]
+
+    @model_validator(mode="after")
+    def _client_search(self) -> UnofferedTool:
+        if self.type == "tool_search" and (self.model_extra or {}).get("execution", "client") != "client":
+            raise ValueError("tool_search with execution 'server' is not supported: this server has no deferred tools")
+        return self
+
+
+Tool = Annotated[FunctionTool | CustomTool | NamespaceTool | UnofferedTool, Field(discriminator="type")]
+
+
 class FunctionChoice(BodyPart):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str = Field(min_length=1)
 
 
@@ -178,7 +244,7 @@ class ResponsesRequest(RequestBody):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     seed: Seed | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -214,17 +280,18 @@ class ResponsesRequest(RequestBody):
     def _function_tools(cls, value: Any) -> Any:
         for i, tool in enumerate(value if isinstance(value, list) else ()):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ValueError(f"tool {i} has type {kind!r}: only function tools are supported (this server runs "
-                                 "no hosted tools)")
+            if kind not in ("function", "custom", "namespace", *UNOFFERED_TOOLS):
+                raise ValueError(f"tool {i} has type {kind!r}: only function, custom and namespace tools are supported "
+                                 "(this server runs no hosted tools; web_search and tool_search are accepted and not "
+                                 "offered to the model)")
         return value
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _choice(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") != "function":
-            raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}, got type "
-                             f"{value.get('type')!r}")
+        if isinstance(value, dict) and value.get("type") not in ("function", "custom"):
+            raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function' | 'custom', 'name': ...}, got "
+                             f"type {value.get('type')!r}")
         return value
 
     @field_validator("metadata")
@@ -253,7 +320,23 @@ class ResponsesRequest(RequestBody):
     @field_validator("include")
     @classmethod
     def _include(cls, value: list[str] | None) -> list[str] | None:
-        if value:
-            raise ValueError(f"nothing can be included ({', '.join(value)[:200]}): reasoning text is always in the "
-                             "reasoning item's content; there is no encrypted reasoning and no logprobs")
+        refused = [name for name in value or () if name not in INCLUDABLE]
+        if refused:
+            raise ValueError(f"cannot include {', '.join(refused)[:200]} (only {', '.join(INCLUDABLE)}, which adds "
+                             "nothing: reasoning text is always in the reasoning item's content); no logprobs")
         return value
+
+    def offered_tools(self) -> list[FunctionTool | CustomTool]:
+        """The tools the model is offered: namespaces' tools as themselves, web_search and tool_search left out."""
+        tools: list[FunctionTool | CustomTool] = []
+        for tool in self.tools or ():
+            if isinstance(tool, NamespaceTool):
+                tools += tool.tools
+            elif isinstance(tool, (FunctionTool, CustomTool)):
+                tools.append(tool)
+        return tools
+
+    def namespaces(self) -> dict[str, str]:
+        """A namespaced tool's name -> its namespace."""
+        return {inner.name: tool.name for tool in self.tools or () if isinstance(tool, NamespaceTool)
+                for inner in tool.tools}

@@ -6,20 +6,26 @@ field it came from (`text.format`, `reasoning.effort`, `input`, ...), not the ch
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from server.api.chat.plan import Terms, translated
 from server.api.responses.schemas import (
+    CustomTool,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
+    FunctionTool,
     InputItem,
     ReasoningItem,
     ResponsesRequest,
 )
 from server.api.schemas import ChatCompletionRequest
+from server.constraints.client_grammar import GRAMMAR_KEY
 from server.errors import APIError
 
 
@@ -34,9 +40,9 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
             thought += item.text
             continue
         last = messages[-1] if messages else None
-        if isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+        if isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+            arguments = item.arguments if isinstance(item, FunctionCallItem) else custom_arguments(item.input)
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
             if last is not None and last["role"] == "assistant":  # the same assistant turn
                 last.setdefault("tool_calls", []).append(call)
                 if thought:
@@ -44,7 +50,7 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
                     thought = ""
                 continue
             message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
-        elif isinstance(item, FunctionCallOutputItem):
+        elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
             message = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
         else:
             message = {"role": item.role, "content": item.content}
@@ -55,8 +61,46 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
     return messages
 
 
+CUSTOM_INPUT = "input"  # the one string argument a custom tool's input is written as in the model's call syntax
+
+
+def custom_arguments(text: str) -> str:
+    """A custom tool call's raw input as the arguments object the model writes it in."""
+    return json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The raw input of a custom tool call the model wrote as `{"input": text}`; the arguments text itself when the
+    model wrote anything else (a call under "auto" to a free-text custom tool is not grammar-held)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value[CUSTOM_INPUT] if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str) else arguments
+
+
+def chat_tool(tool: FunctionTool | CustomTool) -> dict[str, Any]:
+    """A Responses tool as a chat function tool. A custom tool is a function of one string, `input`, its description
+    saying so (and showing its grammar, which the model must follow and the grammar engine enforces)."""
+    if isinstance(tool, FunctionTool):
+        return tool.chat()
+    described = tool.description or ""
+    field: dict[str, Any] = {"type": "string", "description": "The tool's input: raw text, not JSON."}
+    if tool.format.type == "grammar":
+        syntax, definition = tool.format.syntax, tool.format.definition
+        described += (f"\n\nWrite the whole input as the `{CUSTOM_INPUT}` string; it must match this {syntax} "
+                      f"grammar:\n```\n{definition}\n```")
+        field[GRAMMAR_KEY] = {"syntax": syntax, "definition": definition}
+    else:
+        described += f"\n\nWrite the whole input as the `{CUSTOM_INPUT}` string (free text)."
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: field}, "required": [CUSTOM_INPUT]}
+    return {"type": "function", "function": {"name": tool.name, "description": described.strip(),
+                                             "parameters": parameters}}
+
+
 def chat_request(body: ResponsesRequest, items: Sequence[InputItem]) -> ChatCompletionRequest:
     choice = body.tool_choice
+    offered = body.offered_tools()
     fields = {
         "model": body.model,
         "messages": chat_messages(body.instructions, items),
@@ -67,7 +111,7 @@ def chat_request(body: ResponsesRequest, items: Sequence[InputItem]) -> ChatComp
         "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
         "seed": body.seed,
-        "tools": [tool.chat() for tool in body.tools] if body.tools else None,
+        "tools": [chat_tool(tool) for tool in offered] if offered else None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if isinstance(choice, FunctionChoice)
         else choice,
         "parallel_tool_calls": body.parallel_tool_calls,
