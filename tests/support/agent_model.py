@@ -44,12 +44,14 @@ READ_CALL = '<|tool_call>call:Read{file_path:<|"|>' + NOTES_FILE + '<|"|>}<tool_
 SHELL_CALL = '<|tool_call>call:exec_command{cmd:<|"|>cat ' + NOTES_FILE + '<|"|>}<tool_call|><|tool_response>'
 
 MAX_POSITIONS = 65536
-HIDDEN = 256
-KNOWN = 100  # identity dimensions: the most tokens the model can know
-HEAD_DIM = 128  # both layers' heads (the previous-token head's value carries a token identity)
+HIDDEN = 128
+KNOWN = 60  # identity dimensions: the most tokens the model can know (the chains use ~45)
+HEAD_DIM = 64  # both layers' heads (the previous-token head's value carries a token identity)
 _PREV_THETA = 3.0  # layer 0's RoPE base: frequencies 1 .. 1/3, distance 1 wins by >= 20% of the peak score
-_PREV_SCORE = 2.0  # q_norm and k_norm scale on layer 0: peak score 128 * 2 * 2 = 512, the runner-up <= 412
-_A, _C, _F = 4.0, 2.0, 1.0  # the lm_head's weights for the current token, the previous one, the flag
+_PREV_SCORE = 1.8  # q_norm and k_norm scale on layer 0: peak score 64 * 1.8^2 = 207, every other distance >= 41 less
+# The lm_head's weights (in logits) for the current token, the previous one, the flag: the smallest margin, _F, is
+# 20 logits, so that sampling at temperature 1 (what agents send, or nothing) picks the chain's token as greedy does.
+_A, _C, _F = 80.0, 40.0, 20.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def agent_config() -> Any:
         num_attention_heads=1, num_key_value_heads=1, head_dim=HEAD_DIM, global_head_dim=HEAD_DIM,
         num_global_key_value_heads=1, attention_k_eq_v=False, enable_moe_block=False, hidden_size_per_layer_input=0,
         layer_types=["sliding_attention", "full_attention"], sliding_window=MAX_POSITIONS,
-        max_position_embeddings=MAX_POSITIONS, final_logit_softcapping=30.0, tie_word_embeddings=False,
+        max_position_embeddings=MAX_POSITIONS, final_logit_softcapping=None, tie_word_embeddings=False,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": _PREV_THETA},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
@@ -204,7 +206,7 @@ def _readout(model: Any, tokenizer: Any, chains: Sequence[_Chain], known: dict[i
 
     probe = torch.tensor([[int(tokenizer.bos_token_id), *(t for c in chains for t in c.tokens)][:16]])
     hidden = model.model(input_ids=probe).last_hidden_state[0, -1]
-    flags = hidden[D.flag:D.flag + 8]
+    flags = hidden[D.flag:D.flag + 4]
     cur_size = float(hidden[D.known:D.known + KNOWN].abs().max())
     prev_size = float(hidden[D.prev:D.prev + KNOWN].abs().max())
     flag_size = float(flags.abs().max())
@@ -246,3 +248,25 @@ def save_agent_checkpoint(dest: Path, cfg_dir: Path) -> Path:
             shutil.copyfile(cfg_dir / name, staging / name)
 
     return save_checkpoint(model, dest, add_files)
+
+
+MAX_TOTAL = 40960  # the context: Claude Code's prompts are 9-30k Gemma tokens
+PREFILL_BUCKET = 2048  # prefill chunk: ~2 s each on 2 cores, so a 20k prompt prefills in well under a minute
+
+
+def agent_artifacts(root: Path, *, max_total: int = MAX_TOTAL, prefill_bucket: int = PREFILL_BUCKET) -> Path:
+    """The model exported under `root` as an artifact dir for `--graph hf`, with the tests' Gemma-4 tokenizer and
+    template (what tests/support/gemma4_app.py does for the random tiny Gemma-4)."""
+    from server.tools.export import export
+    from tests.support.gemma4_tokenizer import gemma4_cfg_dir
+
+    source = gemma4_cfg_dir()
+    checkpoint = save_agent_checkpoint(root / "checkpoint", source)
+    dest = root / "artifacts"
+    if not (dest / "graph.json").is_file():
+        export(checkpoint, dest, prefill_bucket=prefill_bucket, max_total=max_total, dtype="float32")
+        cfg = dest / "cfg"
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+            shutil.copyfile(source / name, cfg / name)
+        (cfg / "special_tokens_map.json").unlink(missing_ok=True)
+    return dest
