@@ -156,7 +156,7 @@ def test_claude_code_stream_json(server: LiveServer, project: Path, tmp_path: Pa
 
 def test_claude_code_read_tool(server: LiveServer, project: Path, tmp_path: Path) -> None:
     call = Invocation(server)
-    result = _claude(server, tmp_path / "home", project, "--allowedTools", "Read",
+    result = _claude(server, tmp_path / "home", project, "--allowedTools", "Read", "--",
                      f"Read {NOTES_FILE} for me {READ_TRIGGER}")
     prompts = call.finish(result)
     _tool_round_trip(server, prompts)
