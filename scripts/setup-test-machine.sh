@@ -17,7 +17,11 @@ for need in "${NEEDED[@]}"; do
   commands+=("${need%%:*}")
   command -v "${need%%:*}" >/dev/null 2>&1 || missing+=("${need#*:}")
 done
-AGENTS_PREFIX="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.agents"
+# The checkout's .agents/ (GEMMA4_AGENTS_PREFIX: another prefix, which tests/test_test_command.py uses); builtins
+# only, so that a bare PATH does (no dirname).
+script_dir="${BASH_SOURCE[0]%/*}"
+[ "$script_dir" != "${BASH_SOURCE[0]}" ] || script_dir=.
+AGENTS_PREFIX="${GEMMA4_AGENTS_PREFIX:-$(cd "$script_dir/.." && pwd)/.agents}"
 AGENTS=(claude:@anthropic-ai/claude-code@2.1.332 codex:@openai/codex@0.171.0 opencode:opencode-ai@1.18.33)
 
 install_agents() {  # the agent CLIs whose pinned version is not under the prefix yet

@@ -15,6 +15,7 @@ its second invocation in the same project, and each test's wall time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,11 +52,27 @@ def server(artifacts: Path) -> Iterator[LiveServer]:
     engine = build_engine(host, config)
     live = LiveServer(config, engine, host)
     live.prompts = Prompts(engine)  # type: ignore[attr-defined]
+    live.log = _Lines()  # type: ignore[attr-defined]  # the server's per-request lines (prompt, reused, ttft, total)
+    api_log = logging.getLogger("server.api")
+    api_log.addHandler(live.log)  # type: ignore[attr-defined]
+    level = api_log.level
+    api_log.setLevel(logging.INFO)  # its request lines are INFO; the test session's default would drop them
     live.start()
     try:
         yield live
     finally:
         live.stop()
+        api_log.removeHandler(live.log)  # type: ignore[attr-defined]
+        api_log.setLevel(level)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 @pytest.fixture
@@ -88,6 +105,7 @@ class Invocation:
         self.server = server
         self.prompts: Prompts = server.prompts  # type: ignore[attr-defined]
         self.first_prompt = len(self.prompts.ids)
+        self.first_line = len(server.log.lines)  # type: ignore[attr-defined]
         self.before = _counters(server.url)
 
     def finish(self, result: agent_cli.Run) -> list[tuple[int, ...]]:
@@ -95,6 +113,8 @@ class Invocation:
         delta = {key: value - self.before.get(key, 0.0) for key, value in after.items()
                  if value != self.before.get(key, 0.0)}
         self.delta = delta
+        self.lines = [line for line in self.server.log.lines[self.first_line:]  # type: ignore[attr-defined]
+                      if "prompt=" in line]
         bad = {key: value for key, value in delta.items()
                if key.startswith("errors") or (" " in key and not key.split(" ")[-1].startswith("2"))}
         assert result.returncode == 0, result.why() + f"\nrequests: {delta}"
@@ -111,10 +131,15 @@ def _text(server: LiveServer, ids: tuple[int, ...]) -> str:
     return str(server.host.tokenizer.decode(list(ids)))
 
 
-def _report(name: str, result: agent_cli.Run, prompts: list[tuple[int, ...]], reused: float | None = None) -> None:
+def _report(name: str, result: agent_cli.Run, call: Invocation, prompts: list[tuple[int, ...]],
+            reused: float | None = None) -> None:
+    """For the issue's note (run with -s): the wall time, each prompt's size, what the second invocation reused, and
+    the server's own line per request (prompt / reused / ttft: the prefill time)."""
     sizes = [len(p) for p in prompts]
     extra = "" if reused is None else f", prefix tokens reused on the second invocation {reused:.0f}"
     print(f"\nagents-cli {name}: {result.seconds:.1f} s, {len(prompts)} prompts, tokens per prompt {sizes}{extra}")
+    for line in call.lines:
+        print(f"agents-cli   {line}")
 
 
 def _tool_round_trip(server: LiveServer, prompts: list[tuple[int, ...]]) -> None:
@@ -138,7 +163,7 @@ def test_claude_code_plain(server: LiveServer, project: Path, tmp_path: Path) ->
     second = _claude(server, home, project, "Say hello again.")
     again.finish(second)
     assert PLAIN_TEXT in second.stdout, second.why()
-    _report("claude -p", result, prompts, again.reused)
+    _report("claude -p", result, call, prompts, again.reused)
 
 
 def test_claude_code_stream_json(server: LiveServer, project: Path, tmp_path: Path) -> None:
@@ -151,7 +176,7 @@ def test_claude_code_stream_json(server: LiveServer, project: Path, tmp_path: Pa
     final = [event for event in events if event.get("type") == "result"]
     assert final and final[-1].get("subtype") == "success" and not final[-1].get("is_error"), result.why()
     assert PLAIN_TEXT in final[-1]["result"], final[-1]
-    _report("claude -p --output-format stream-json", result, prompts)
+    _report("claude -p --output-format stream-json", result, call, prompts)
 
 
 def test_claude_code_read_tool(server: LiveServer, project: Path, tmp_path: Path) -> None:
@@ -161,7 +186,7 @@ def test_claude_code_read_tool(server: LiveServer, project: Path, tmp_path: Path
     prompts = call.finish(result)
     _tool_round_trip(server, prompts)
     assert TOOL_TEXT in result.stdout, result.why()
-    _report("claude -p with a Read", result, prompts)
+    _report("claude -p with a Read", result, call, prompts)
 
 
 def _codex(server: LiveServer, home: Path, project: Path, prompt: str) -> agent_cli.Run:
@@ -178,7 +203,7 @@ def test_codex_exec_plain(server: LiveServer, project: Path, tmp_path: Path) -> 
     again = Invocation(server)
     second = _codex(server, home, project, "Say hello again.")
     again.finish(second)
-    _report("codex exec", result, prompts, again.reused)
+    _report("codex exec", result, call, prompts, again.reused)
 
 
 def test_codex_exec_shell_tool(server: LiveServer, project: Path, tmp_path: Path) -> None:
@@ -187,7 +212,7 @@ def test_codex_exec_shell_tool(server: LiveServer, project: Path, tmp_path: Path
     prompts = call.finish(result)
     _tool_round_trip(server, prompts)
     assert TOOL_TEXT in result.stdout, result.why()
-    _report("codex exec with exec_command", result, prompts)
+    _report("codex exec with exec_command", result, call, prompts)
 
 
 def test_opencode_run_plain(server: LiveServer, project: Path, tmp_path: Path) -> None:
@@ -201,7 +226,7 @@ def test_opencode_run_plain(server: LiveServer, project: Path, tmp_path: Path) -
     second = agent_cli.run([str(agent_cli.cli("opencode")), "run", "Say hello again."], project, env)
     again.finish(second)
     assert PLAIN_TEXT in second.stdout, second.why()
-    _report("opencode run", result, prompts, again.reused)
+    _report("opencode run", result, call, prompts, again.reused)
 
 
 def test_installed_versions_are_the_pinned_ones(tmp_path: Path) -> None:
