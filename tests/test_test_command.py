@@ -4,7 +4,9 @@
   read), and the command starts with `scripts/setup-test-machine.sh`; docs/development.md shows the same command.
 - The set-up script, on a PATH of stand-ins (no package is installed or removed here): installs nothing when
   chromium and shellcheck are present; installs what is missing with apt-get as root, and says so; a second run
-  installs nothing; without apt-get, or not root, it installs nothing, names the packages and exits 1.
+  installs nothing; without apt-get, or not root, it installs nothing, names the packages and exits 1. The agent CLIs
+  (npm, into a prefix): installed at their pinned versions when missing, skipped when present; without npm it says
+  what to install and exits 1.
 """
 
 from __future__ import annotations
@@ -76,11 +78,38 @@ def stand_in(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def machine(tmp_path: Path, *, present: tuple[str, ...] = (), apt: bool = True, uid: int = 0) -> Path:
+AGENTS = {"claude": "2.1.332", "codex": "0.171.0", "opencode": "1.18.33"}  # the script's pins
+PACKAGES = {"@anthropic-ai/claude-code": "claude", "@openai/codex": "codex", "opencode-ai": "opencode"}
+
+
+def agents_installed(tmp_path: Path, versions: dict[str, str]) -> None:
+    """Stand-ins of the agent CLIs in the script's prefix, each printing its version."""
+    bin_dir = tmp_path / "agents" / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, version in versions.items():
+        stand_in(bin_dir, name, f"echo '{version} ({name})'")
+
+
+def machine(tmp_path: Path, *, present: tuple[str, ...] = (), apt: bool = True, uid: int = 0, agents: bool = True,
+            npm: bool = True) -> Path:
     """A PATH holding only stand-ins: `present` commands, `id` answering `uid`, and (`apt`) an apt-get that logs its
-    calls and "installs" a package by putting a command of its name on that PATH."""
+    calls and "installs" a package by putting a command of its name on that PATH; (`agents`) the agent CLIs at their
+    pinned versions in the prefix, and (`npm`) an npm that logs its calls and "installs" them there."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    if agents:
+        agents_installed(tmp_path, AGENTS)
+    if npm:
+        cases = "\n".join(f"      {package}@*) name={name} ;;" for package, name in PACKAGES.items())
+        stand_in(bin_dir, "npm", f"""echo "$*" >> {tmp_path / "npm.log"}
+for package in "$@"; do
+  case "$package" in
+{cases}
+      *) continue ;;
+  esac
+  printf '#!{BASH}\\necho %s\\n' "${{package##*@}}" > {tmp_path}/agents/bin/"$name"
+  {CHMOD} 755 {tmp_path}/agents/bin/"$name"
+done""")
     for name in present:
         stand_in(bin_dir, name, "exit 0")
     stand_in(bin_dir, "id", f"echo {uid}")
@@ -99,7 +128,13 @@ fi""")
 
 def setup(bin_dir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([BASH, str(SETUP)], capture_output=True, text=True, timeout=30, cwd=ROOT,
-                          env={"PATH": str(bin_dir), "HOME": str(bin_dir.parent)})
+                          env={"PATH": str(bin_dir), "HOME": str(bin_dir.parent),
+                               "GEMMA4_AGENTS_PREFIX": str(bin_dir.parent / "agents")})
+
+
+def npm_calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "npm.log"
+    return log.read_text(encoding="utf-8").splitlines() if log.exists() else []
 
 
 def apt_calls(tmp_path: Path) -> list[str]:
@@ -110,8 +145,8 @@ def apt_calls(tmp_path: Path) -> list[str]:
 def test_with_everything_present_it_installs_nothing(tmp_path: Path) -> None:
     done = setup(machine(tmp_path, present=("chromium", "shellcheck")))
     assert done.returncode == 0, done.stderr
-    assert "nothing to install" in done.stdout
-    assert apt_calls(tmp_path) == []
+    assert "nothing to install" in done.stdout and "nothing to install: the agent CLIs" in done.stdout
+    assert apt_calls(tmp_path) == [] and npm_calls(tmp_path) == []
 
 
 def test_it_installs_what_is_missing_says_so_and_a_second_run_installs_nothing(tmp_path: Path) -> None:
@@ -138,3 +173,24 @@ def test_where_it_cannot_install_it_names_the_packages_and_exits_1(tmp_path: Pat
     assert done.returncode == 1
     assert "apt-get install -y chromium shellcheck" in done.stderr, done.stderr
     assert apt_calls(tmp_path) == []
+
+
+def test_the_agent_clis_missing_or_stale_are_installed_at_their_pins_and_a_second_run_installs_nothing(
+        tmp_path: Path) -> None:
+    bin_dir = machine(tmp_path, present=("chromium", "shellcheck"), agents=False)
+    agents_installed(tmp_path, {"codex": AGENTS["codex"], "opencode": "1.0.0"})  # one current, one stale
+    done = setup(bin_dir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "installing @anthropic-ai/claude-code@2.1.332 opencode-ai@1.18.33 with npm" in done.stdout, done.stdout
+    (call,) = npm_calls(tmp_path)
+    assert call.startswith(f"install --global --prefix {tmp_path / 'agents'} ")
+    assert call.endswith(" @anthropic-ai/claude-code@2.1.332 opencode-ai@1.18.33")
+    again = setup(bin_dir)
+    assert again.returncode == 0 and "nothing to install: the agent CLIs" in again.stdout, again.stdout
+    assert len(npm_calls(tmp_path)) == 1
+
+
+def test_without_npm_it_says_what_to_install_and_exits_1(tmp_path: Path) -> None:
+    done = setup(machine(tmp_path, present=("chromium", "shellcheck"), agents=False, npm=False))
+    assert done.returncode == 1
+    assert "npm is missing" in done.stderr and "apt-get install -y nodejs npm" in done.stderr, done.stderr
