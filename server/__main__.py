@@ -139,6 +139,8 @@ def _add_bench_parts(parts: _Subcommands) -> None:
                     help="a demo model to measure (repeatable; default: both)")
     kv.add_argument("--cache-dir", dest="kv_cache_dir", type=Path, default=Path(DEFAULT_CACHE).expanduser(),
                     metavar="DIR", help=f"where the demo exports live, built on first use (default: {DEFAULT_CACHE})")
+    kv.add_argument("--no-bf16-baseline", dest="kv_bf16", action="store_false",
+                    help="skip the bf16-KV comparison printed beside int8's (the builds' unquantized KV dtype)")
     _add_json(kv)
 
 
@@ -225,7 +227,7 @@ def _bench_kv_quant(args: argparse.Namespace) -> int:
 
     names = args.kv_models or sorted(DEMO_MODELS)
     return kv_quant.run([(name, demo_artifacts(args.kv_cache_dir, model=name)) for name in names], args.tokens,
-                        args.json_path)
+                        args.json_path, bf16_baseline=args.kv_bf16)
 
 
 BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints,

@@ -1263,7 +1263,7 @@ def residency(
 # What a v3 build may hold per NeuronCore: 15 GB of its 16, the rest left to the runtime and the compiler's own buffers.
 CORE_BUDGET_BYTES = 15 * 10**9
 SLOT_TABLE_SLOTS = (1, 2, 3, 4, 6, 8)
-SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768)
+SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # agents want 32k-64k (issue 34)
 
 
 def fits_core(sizes: Mapping[str, int]) -> bool:
