@@ -20,8 +20,8 @@ from server.tools.bench import kv_quant
 from tests.support.models import demo_dir
 from tests.support.smollm2 import smollm2_cache, smollm2_dir  # noqa: F401 (pytest fixtures)
 
-TOKENS = 768  # crosses Gemma-3 270M's 512-token sliding window: later chunks read a full window from the cache
-CHUNK = 256
+TOKENS = 640  # crosses Gemma-3 270M's 512-token sliding window: later chunks read a full window from the cache
+CHUNK = 320
 
 
 Loaded = tuple[Any, torch.Tensor]  # (the transformers model, TOKENS ids of the text)
