@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeAlias
 
-from server.config import GRAPH_KINDS, Settings, add_options
+from server.config import DEFAULT_CACHE, GRAPH_KINDS, Settings, add_options
 from server.model.artifacts import DEFAULT_REPO
 from server.tools.demo import DEFAULT_DEMO_MODEL, DEMO_MODELS, DemoModel
 
@@ -112,7 +112,7 @@ def _add_bench(sub: _Subcommands) -> None:
                        help="with --concurrency: a v3 build to measure")
     bench.add_argument("--graph", dest="bench_graph", default="jit", choices=GRAPH_KINDS,
                        help="with --artifacts: its graph kind (default: jit)")
-    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill}",
+    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill,kv-quant}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     _add_bench_parts(parts)
 
@@ -139,6 +139,17 @@ def _add_bench_parts(parts: _Subcommands) -> None:
                          help="prompt tokens (default: 18,900, a Claude Code request's size after one retry)")
     prefill.add_argument("--repeat", type=int, default=3, metavar="K", help="timed runs (default: 3; the median)")
     _add_json(prefill)
+    kv = parts.add_parser("kv-quant", help="int8 KV on real weights: KL and top-1 of the demo models' next-token "
+                          "distributions, int8 K/V cache against the unquantized one, over Python's help text")
+    kv.add_argument("--tokens", type=int, default=8192, metavar="N",
+                    help="positions compared per model (default: 8192, SmolLM2's whole context)")
+    kv.add_argument("--model", dest="kv_models", action="append", choices=sorted(DEMO_MODELS), default=None,
+                    help="a demo model to measure (repeatable; default: both)")
+    kv.add_argument("--cache-dir", dest="kv_cache_dir", type=Path, default=Path(DEFAULT_CACHE).expanduser(),
+                    metavar="DIR", help=f"where the demo exports live, built on first use (default: {DEFAULT_CACHE})")
+    kv.add_argument("--no-bf16-baseline", dest="kv_bf16", action="store_false",
+                    help="skip the bf16-KV comparison printed beside int8's (the builds' unquantized KV dtype)")
+    _add_json(kv)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -226,8 +237,17 @@ def _bench_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_kv_quant(args: argparse.Namespace) -> int:
+    from server.tools.bench import kv_quant
+    from server.tools.demo import demo_artifacts
+
+    names = args.kv_models or sorted(DEMO_MODELS)
+    return kv_quant.run([(name, demo_artifacts(args.kv_cache_dir, model=name)) for name in names], args.tokens,
+                        args.json_path, bf16_baseline=args.kv_bf16)
+
+
 BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints,
-               "prefill": _bench_prefill}
+               "prefill": _bench_prefill, "kv-quant": _bench_kv_quant}
 
 
 def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:

@@ -128,10 +128,37 @@ def test_service_pdb_pvc_and_hpa_point_at_the_deployment() -> None:
     assert hpa["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
 
 
-def test_hpa_scales_on_a_metric_the_server_exports() -> None:
+@pytest.fixture(scope="module")
+def exposition() -> str:
+    """What a live server's /metrics says (the real app and engine, the null graph)."""
+    with live_server(settings()) as live:
+        return httpx.get(f"{live.url}/metrics", timeout=10).text
+
+
+def test_hpa_scales_on_a_metric_the_server_exports(exposition: str) -> None:
     (metric,) = manifests()["HorizontalPodAutoscaler"]["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]
-    with live_server(settings()) as live:
-        exposition = httpx.get(f"{live.url}/metrics", timeout=10).text
     assert f"# TYPE {name} gauge" in exposition
     assert name in (ROOT / "docs" / "kubernetes.md").read_text()
+
+
+# What a prefix-aware endpoint picker reads from each replica (docs/kubernetes.md, "Agents"): load and KV.
+PICKER_GAUGES = ("gemma4_queue_depth", "gemma4_kv_slots_in_use", "gemma4_kv_slots_in_use_ratio",
+                 "gemma4_kv_tokens_in_use", "gemma4_kv_tokens_capacity", "gemma4_kv_tokens_in_use_ratio",
+                 "gemma4_kv_cached_prefixes", "gemma4_kv_cached_prefix_tokens")
+
+
+def test_what_a_picker_reads_is_exported_and_documented(exposition: str) -> None:
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    for name in PICKER_GAUGES:
+        assert f"# TYPE {name} gauge" in exposition and f"`{name}`" in doc, name
+    for name in set(re.findall(r"`(gemma4_[a-z_]+)`", doc)):  # the doc names no metric the server lacks
+        assert re.search(rf"^# TYPE {name.removesuffix('_total')} ", exposition, re.M), name  # counters: _total
+
+
+def test_the_service_keeps_an_agents_turns_on_one_replica() -> None:
+    spec = manifests()["Service"]["spec"]
+    # ClientIP affinity for an hour, renewed by each connection: an agent pausing between turns comes back to its KV.
+    assert spec["sessionAffinity"] == "ClientIP"
+    timeout = spec["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"]
+    assert timeout >= 3600 and f"{timeout:,} s" in (ROOT / "docs" / "kubernetes.md").read_text()

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from server.engine.types import GenerationRequest, ImageInput, RequestHandle, Tokenizer
+from server.engine.types import GenerationRequest, ImageInput, KVUsage, RequestHandle, Tokenizer
 from server.protocol.base import ChatProtocol
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ class EngineAPI(Protocol):
     def capacity(self) -> int: ...  # generations at once (0 until the graph is in)
     @property
     def step_batches(self) -> Mapping[int, int]: ...  # rows per graph call -> how many calls had that many
+    @property
+    def kv_usage(self) -> KVUsage: ...  # the KV slots' use and the prefixes they keep (server.engine.types)
     def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]: ...
     def start(self) -> None: ...
     def stop(self, timeout: float = 5.0) -> None: ...

@@ -2,13 +2,13 @@
 
 Request counts come from `MetricsMiddleware` (every route, every status, including 404s and auth failures);
 token counts and latencies come from the engine's `Finish` events, the inter-token gaps from the arrival of
-`Delta` events on the event loop. Queue depth, running, the slots and the graph calls by batch size are read from the
-engine at scrape time.
+`Delta` events on the event loop. Queue depth, running, the slots, the KV in use and the prefixes kept for reuse, and
+the graph calls by batch size are read from the engine at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.given import EngineAPI
-from server.engine.types import Finish
+from server.engine.types import Finish, KVUsage
 
 PREFIX = "gemma4"
 
@@ -55,6 +55,23 @@ class Metrics:
               "graph)", registry=r).set_function(lambda: engine.capacity)
         Gauge(f"{PREFIX}_slot_occupancy", "Share of those slots running a request now (requests_running / "
               "max_concurrency)", registry=r).set_function(lambda: engine.running / max(engine.capacity, 1))
+        # What a prefix-aware router (an endpoint picker) reads beside the queue: how full the KV is, and how much of
+        # it idle conversations keep for their next turn (server.engine.types.KVUsage; read once per gauge at scrape).
+        for name, doc, read in (
+            ("kv_slots_in_use", "KV slots held by a running request", lambda u: u.slots_in_use),
+            ("kv_slots_in_use_ratio", "Share of the KV slots held by a running request (kv_slots_in_use / KV slots)",
+             lambda u: u.slots_in_use / max(u.slots, 1)),
+            ("kv_tokens_in_use", "KV positions written by running requests (prompt so far and generated tokens)",
+             lambda u: u.tokens_in_use),
+            ("kv_tokens_capacity", "KV positions the slots can hold (KV slots x the build's context)",
+             lambda u: u.tokens_capacity),
+            ("kv_tokens_in_use_ratio", "Share of the KV positions held by running requests (kv_tokens_in_use / "
+             "kv_tokens_capacity)", lambda u: u.tokens_in_use / max(u.tokens_capacity, 1)),
+            ("kv_cached_prefixes", "Idle KV slots keeping a conversation's prefix for reuse (until a newcomer needs "
+             "the slot)", lambda u: u.cached_prefixes),
+            ("kv_cached_prefix_tokens", "KV positions those idle slots keep for reuse", lambda u: u.cached_tokens),
+        ):
+            Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(_reader(engine, read))
         r.register(_StepCollector(engine))
 
     def observe_finish(self, finish: Finish) -> None:
@@ -76,6 +93,10 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _reader(engine: EngineAPI, read: Callable[[KVUsage], float]) -> Callable[[], float]:
+    return lambda: read(engine.kv_usage)
 
 
 class _StepCollector(Collector):

@@ -185,7 +185,8 @@ class ModelCard(_Answer):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int  # the build's context, prompt + completion (vLLM's key)
+    context_length: int  # the same number under OpenRouter's / llama.cpp's key
 
 
 class ModelList(_Answer):

@@ -22,7 +22,7 @@ from server.constraints.factory import ConstraintFactory
 from server.engine.core import RUNNING, EngineCore
 from server.engine.runner import DeviceWatch
 from server.engine.sequence import State
-from server.engine.types import EngineNotReady, GenerationRequest, QueueFull, RequestHandle
+from server.engine.types import EngineNotReady, GenerationRequest, KVUsage, QueueFull, RequestHandle
 
 if TYPE_CHECKING:
     from server.engine.types import Tokenizer
@@ -140,6 +140,11 @@ class Engine:
     def running(self) -> int:
         """Requests holding a slot (preparing, prefilling or decoding)."""
         return self.core.count(*RUNNING) if self._loaded else 0
+
+    @property
+    def kv_usage(self) -> KVUsage:
+        """The KV slots' use and the prefixes they keep for reuse (server.engine.types.KVUsage): what a router reads."""
+        return self.core.scheduler.slots.usage(self.core.graph.max_total) if self._loaded else KVUsage()
 
     @property
     def admitted(self) -> int:

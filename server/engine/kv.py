@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from server.engine.types import KVUsage
+
 log = logging.getLogger(__name__)
 
 
@@ -128,6 +130,16 @@ class KVSlots:
         held = len(slot.tokens)
         long = self.short is not None and held > self.short
         return long, held > 0, slot.last_used, slot.index
+
+    def usage(self, max_total: int) -> KVUsage:
+        """What the slots hold now. Read from another thread than the one that writes them (a scrape): a snapshot of
+        the free list and the lengths, each read whole under the GIL, so the figures are of one moment or the next."""
+        free = {s.index for s in list(self.free)}
+        held = [(s.index in free, len(s.tokens)) for s in self.all]
+        in_use = [n for idle, n in held if not idle]
+        cached = [n for idle, n in held if idle and n > 0]
+        return KVUsage(slots=len(held), slots_in_use=len(in_use), tokens_capacity=len(held) * max_total,
+                       tokens_in_use=sum(in_use), cached_prefixes=len(cached), cached_tokens=sum(cached))
 
     def release(self, slot: KVSlot) -> None:
         """`slot`'s sequence ended: free again, its KV kept for whoever comes back to it."""

@@ -72,6 +72,23 @@ def prompt_keys(request: GenerationRequest) -> tuple[int, ...]:
     return tuple(keys)
 
 
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """The KV cache as a prefix-aware router reads it (server.api.metrics at scrape time), torch-free.
+
+    A slot is in use while a request runs in it; an idle slot that still holds tokens is a cached prefix: the
+    conversation whose next turn would skip prefilling them here (KVSlots.choose sends it back to that slot). An
+    idle slot is also what a newcomer takes, so cached prefixes are kept only until the slots are needed.
+    """
+
+    slots: int = 0  # KV slots the engine schedules (0 while the graph loads)
+    slots_in_use: int = 0  # held by a running request
+    tokens_capacity: int = 0  # positions the slots can hold: slots * the build's context (max_total)
+    tokens_in_use: int = 0  # positions written by running requests (their prompt so far and what they generated)
+    cached_prefixes: int = 0  # idle slots holding KV for reuse
+    cached_tokens: int = 0  # the positions those idle slots hold
+
+
 def completion_budget(max_total: int, prompt_tokens: int, requested: int | None) -> int:
     """The tokens a completion may have: `requested` (None: as many as fit), capped by what the context leaves after
     the prompt. The one rule for it, applied by the API (which refuses a prompt that leaves less than one) and by the

@@ -238,6 +238,19 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float().unsqueeze(-1)  # [..., out, in]
 
 
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """--kv-quant int8: symmetric int8 per K or V vector, one f32 scale per (slot, head, position).
+
+    x [..., D] -> (q [..., D] f32 holding integers in [-127, 127], written into the int8 cache exactly; scale
+    [..., 1] f32). The scale is max|x| / 127 over the vector, so nothing is clipped and |x - q * scale| <=
+    scale / 2. Read back as ``q.float() * scale`` (SlotRingCache.update); tools/bench/kv_quant.py measures it on
+    real weights through this same function.
+    """
+    amax = x.detach().float().abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [..., 1]: an all-zero vector stays 0
+    return torch.round(x.float() / scale).clamp(-127, 127), scale  # [..., D], [..., 1]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Tensor parallel plumbing (plain torch; NxD supplies the real collectives in build_neuron)
 # --------------------------------------------------------------------------------------------------------------------
@@ -670,10 +683,7 @@ class SlotRingCache:
             if not self.model.plan.kv_int8:
                 out.append(self._write(layer_idx, f"{kind}_cache", flat).to(new.dtype))  # a no-op unless stored narrower
                 continue
-            # Symmetric int8 per written vector (one scale per slot, head and position): |x - q * s| <= s / 2.
-            amax = flat.detach().float().abs().amax(dim=-1, keepdim=True)  # [B * kvh * T, 1]
-            scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [B * kvh * T, 1]
-            q = torch.round(flat.float() / scale).clamp(-127, 127)  # [B * kvh * T, D]
+            q, scale = quantize_kv(flat)  # [B * kvh * T, D] int8 values, [B * kvh * T, 1] f32
             stored_q = self._write(layer_idx, f"{kind}_cache", q)  # [B, kvh, R, D] int8
             stored_s = self._write(layer_idx, f"{kind}_scale", scale)  # [B, kvh, R, 1] f32
             out.append((stored_q.float() * stored_s).to(new.dtype))  # [B, kvh, R, D] in the compute dtype
@@ -1253,7 +1263,7 @@ def residency(
 # What a v3 build may hold per NeuronCore: 15 GB of its 16, the rest left to the runtime and the compiler's own buffers.
 CORE_BUDGET_BYTES = 15 * 10**9
 SLOT_TABLE_SLOTS = (1, 2, 3, 4, 6, 8)
-SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768)
+SLOT_TABLE_MAX_TOTAL = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # agents want 32k-64k (issue 34)
 
 
 def fits_core(sizes: Mapping[str, int]) -> bool:

@@ -289,6 +289,8 @@ class OpenAIRoutes:
         model = self.prompts.model
         card = {"id": name or model.name, "object": "model", "created": self.prompts.created, "owned_by": "gemma4-optb",
                 "root": model.name, "parent": None, "max_model_len": model.max_total, "chat": model.chat,
+                # the same limit under OpenRouter's / llama.cpp's key: clients size their context from either
+                "context_length": model.max_total,
                 # how many generations run at once (KV slots in use together; 0 while the graph loads)
                 "max_concurrency": self.service.engine.capacity,
                 # image parts are read (issue 27): the chat page offers to attach one
