@@ -9,7 +9,8 @@ setting is declared once, as a `Settings` field that carries its flag, env var, 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -69,16 +70,30 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+GLOB_CHARACTERS = frozenset("*?[")
+
+
 def served_names(text: str) -> tuple[str, ...]:
     """--served-model-name's comma-separated names: the first is the model's id, every one is accepted where a request
-    names its model. An empty item or a name given twice is refused (a typo, not a wish)."""
+    names its model; an alias with `*`, `?` or `[...]` is a glob (`claude-*`: any name it matches). An empty item, a
+    name given twice or a glob first (the id is a name) is refused (a typo, not a wish)."""
     names = tuple(part.strip() for part in text.split(","))
     if not all(names):
         raise ValueError(f"an empty name in {text[:200]!r}: give comma-separated names, e.g. gemma-4,claude-sonnet-4-5")
     twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
     if twice is not None:
         raise ValueError(f"{twice[:200]!r} is given twice")
+    if GLOB_CHARACTERS & set(names[0]):
+        raise ValueError(f"the first name, {names[0][:200]!r}, is the model's id and cannot be a glob: put a name "
+                         "first, e.g. gemma-4,claude-*")
     return names
+
+
+def served_as(requested: str, names: Sequence[str]) -> bool:
+    """Whether a request's model name reaches the served model: one of `names`, or matched by one that is a glob
+    (fnmatch's syntax, case-sensitive as names are)."""
+    return requested in names or any(GLOB_CHARACTERS & set(name) and fnmatch.fnmatchcase(requested, name)
+                                     for name in names)
 
 
 def _served_model_name(text: str) -> str:
@@ -165,7 +180,8 @@ class Settings:
     served_model_name: str | None = _setting("--served-model-name", "SERVED_MODEL_NAME", _served_model_name, None,
                                              "model id in the API; a comma-separated list adds aliases: the first is "
                                              "the id /v1/models shows and answers carry, every name is accepted in a "
-                                             "request's model", shown="from cfg/config.json")
+                                             "request's model; an alias with * ? [ is a glob (claude-*: any name it "
+                                             "matches)", shown="from cfg/config.json")
     device: str = _setting("--device", "DEVICE", str, "cpu", "torch device for the hf graph (cpu, cuda)")
     request_timeout_s: float = _setting("--request-timeout", "REQUEST_TIMEOUT", _positive_float, 600.0,
                                         'wall-clock limit per request, seconds (then finish_reason: "length")')
@@ -175,7 +191,8 @@ class Settings:
     shutdown_grace_s: float = _setting("--shutdown-grace", "SHUTDOWN_GRACE", _positive_float, 30.0,
                                        "on SIGTERM, seconds in-flight requests may finish")
     sse_ping_s: float = _setting("--sse-ping", "SSE_PING", _positive_float, 15.0,
-                                 "keep-alive comment interval on streams, seconds")
+                                 "keep-alive interval on streams, seconds: a comment line; on /v1/messages also "
+                                 "a ping event while no other event comes (a long prefill, a wait for a slot)")
     max_body_bytes: int = _setting("--max-body-bytes", "MAX_BODY_BYTES", _positive_int, 2 * 1024 * 1024,
                                    "largest accepted request body (413 beyond)")
     body_timeout_s: float = _setting("--body-timeout", "BODY_TIMEOUT", _positive_float, 30.0,

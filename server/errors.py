@@ -64,6 +64,30 @@ class AnthropicError(APIError):
         return body
 
 
+class ContextOverflow(APIError):
+    """A prompt longer than the context can take (it needs one token of room to generate): OpenAI's 400
+    `context_length_exceeded`; the Messages API words it as Anthropic does (`anthropic_message`), the one text Claude
+    Code acts on (it compacts the conversation). Raised before any engine work, by `context_overflow`."""
+
+    def __init__(self, prompt_tokens: int, max_total: int, param: str | None) -> None:
+        super().__init__(400, f"This model's maximum context length is {max_total} tokens and at least one must remain "
+                         f"for the completion, but the prompt has {prompt_tokens} tokens.", param=param,
+                         code="context_length_exceeded")
+        self.prompt_tokens = prompt_tokens
+        self.maximum = max_total - 1  # the longest prompt that still leaves one token to generate
+
+    @property
+    def anthropic_message(self) -> str:
+        return f"prompt is too long: {self.prompt_tokens} tokens > {self.maximum} maximum"
+
+
+def context_overflow(prompt_tokens: int, max_total: int, param: str | None) -> ContextOverflow | None:
+    """The error for a prompt of `prompt_tokens` in a context of `max_total`, or None when it fits (leaves at least
+    one token for the completion). Every route that renders a prompt checks it here (chat, completions, Messages,
+    Responses)."""
+    return ContextOverflow(prompt_tokens, max_total, param) if prompt_tokens > max_total - 1 else None
+
+
 class InvalidRequest(ValueError):
     """A request that a layer below the API cannot honour (the chat protocol, the output constraints): the API
     answers 400 with `message`, naming the offending field in `param`. Shared so that those layers need not know

@@ -11,15 +11,17 @@ enough for that: a generator that was never started (client gone before the firs
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from typing import Any, TypeVar
 
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 DONE = "[DONE]"
+T = TypeVar("T")
 
 
 def frame(payload: Mapping[str, Any] | str, event: str | None = None) -> bytes:
@@ -43,3 +45,28 @@ class GenerationStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._release()
+
+
+async def with_keepalive(source: AsyncIterator[T], every_s: float) -> AsyncIterator[T | None]:
+    """`source`'s items, and None each time `every_s` passes without one (the caller sends its protocol's own ping:
+    Anthropic's `ping` event, while a long prompt is prefilled or waits for a slot). The pending item is awaited as a
+    task, never cancelled by a timeout (that would close `source` mid-stream); it is cancelled only when the caller
+    stops listening, which closes `source` (and so releases its request)."""
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait((pending,), timeout=every_s)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()

@@ -18,9 +18,10 @@ from jinja2 import TemplateError
 
 from server.api.given import ImageReader, ModelInfo
 from server.api.schemas import IMAGE_MARK, ChatCompletionRequest, Message, Tool
+from server.config import served_as
 from server.constraints.client_grammar import unmarked
 from server.engine.types import ImageInput, completion_budget
-from server.errors import APIError, InvalidRequest
+from server.errors import APIError, InvalidRequest, context_overflow
 from server.protocol import ChatProtocol, PromptInputs
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: the token *is* one raw byte
@@ -44,7 +45,7 @@ class Prompts:
 
     def check_model(self, model: str | None) -> str:
         """The served model's id (answers carry it, whichever of its names the request gave), or a 404."""
-        if model is not None and model not in self.model.names:
+        if model is not None and not served_as(model, self.model.names):
             shown = model if len(model) <= 200 else model[:200] + "..."  # never echo a 2 MB "model" back
             also = f" (also named {', '.join(f'`{a}`' for a in self.model.aliases)})" if self.model.aliases else ""
             raise APIError(404, f"The model `{shown}` does not exist; this server serves `{self.model.name}`{also}.",
@@ -60,11 +61,9 @@ class Prompts:
 
     def budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
         """Tokens the completion may have: the request's limit, capped by what the context leaves."""
-        room = completion_budget(self.model.max_total, prompt_tokens, None)
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.model.max_total} tokens and at least "
-                           f"one must remain for the completion, but the prompt has {prompt_tokens} tokens.",
-                           param=param, code="context_length_exceeded")
+        overflow = context_overflow(prompt_tokens, self.model.max_total, param)
+        if overflow is not None:
+            raise overflow
         return completion_budget(self.model.max_total, prompt_tokens, requested)
 
     # Tokenizing runs on a worker thread: a 2 MB prompt takes seconds, which would stall every other stream's

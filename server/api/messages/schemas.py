@@ -3,8 +3,12 @@
 Deliberate choices (do not "fix" these without reading why):
 - What Anthropic has and this server cannot honour is a 400 naming it, never dropped: document and search result
   blocks, `file` image sources (there is no Files API here), citations, redacted thinking (encrypted by another
-  server), server tools (web search, code execution, ...), MCP servers, containers, context management, an assistant
-  prefill (the chat path always opens a new assistant turn).
+  server), server tools (web search, code execution, Anthropic's own tool search, ...), MCP servers, containers, an
+  assistant prefill (the chat path always opens a new assistant turn), a context-management edit of another type.
+- `system` turns may sit anywhere in `messages` (Claude Code sends a trailing one); the last *user or assistant* turn
+  is the one that must be the user's. A turn may carry its own `output_config.effort` (Claude Code's per-turn control).
+- `context_management.edits` are honoured (context.py applies them to the prompt); `thinking.display` "updates" is
+  taken as "omitted" (this model writes no progress updates apart from its thought).
 - `image` blocks (a user turn's, or inside a `tool_result`) are read by the chat path's image reader (translate.py
   makes them chat `image_url` parts). A base64 source's `media_type` must be one Anthropic allows (JPEG, PNG, GIF,
   WebP) and must be what the data is: a mismatch is a 400, as Anthropic answers it, rather than trusting either side.
@@ -25,7 +29,7 @@ import base64
 import binascii
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.api.http import BodyPart, RequestBody
@@ -34,11 +38,13 @@ from server.api.schemas import ToolName
 USER_BLOCKS = ("text", "image", "tool_result")
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's image media types
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking")
+SYSTEM_BLOCKS = ("text",)
 REFUSED = {
     "container": "code execution containers are not supported (this server runs no server tools)",
     "mcp_servers": "MCP servers are not supported: declare their tools as client tools",
-    "context_management": "not supported: nothing is cleared from a conversation; one longer than the context is a 400",
 }
+# Anthropic's server-side tool search: a model of theirs searching a catalogue on their servers.
+TOOL_SEARCH_TYPES = ("tool_search_tool_regex", "tool_search_tool_bm25")
 _WHY_NOT = {
     "document": "document blocks are not supported (send the text as a text block)",
     "search_result": "search result blocks are not supported (send the text as a text block)",
@@ -175,13 +181,21 @@ class ThinkingBlock(BodyPart):
 Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
+class TurnOutputConfig(BodyPart):
+    """A turn's own `output_config` (the per-turn-control beta): its effort; anything else in it is a 400."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class InputMessage(BodyPart):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Annotated[list[Block], _blocks(tuple(dict.fromkeys(USER_BLOCKS + ASSISTANT_BLOCKS)))]
+    output_config: TurnOutputConfig | None = None
 
     @model_validator(mode="after")
     def _the_roles_blocks(self) -> InputMessage:
-        allowed = USER_BLOCKS if self.role == "user" else ASSISTANT_BLOCKS
+        allowed = {"user": USER_BLOCKS, "assistant": ASSISTANT_BLOCKS, "system": SYSTEM_BLOCKS}[self.role]
         for index, block in enumerate(self.content):
             if block.type not in allowed:
                 raise PydanticCustomError("block_role", "content: block {index} has type '{kind}', which {role} "
@@ -198,6 +212,8 @@ class CustomTool(BodyPart):
     input_schema: dict[str, Any]
     strict: bool | None = None  # forced calls follow the schema by grammar in any case
     cache_control: dict[str, Any] | None = None
+    defer_loading: bool | None = None  # left out of the prompt until the conversation surfaces it (translate.py)
+    input_examples: list[dict[str, Any]] | None = None  # accepted and ignored: the schema is what the model reads
 
 
 class ToolChoice(BodyPart):
@@ -216,7 +232,9 @@ class ToolChoice(BodyPart):
 class ThinkingConfig(BodyPart):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)  # Anthropic's floor of 1,024 does not apply here
-    display: Literal["summarized", "omitted"] | None = None  # summarized: the thought itself (there is no summarizer)
+    # summarized: the thought itself (there is no summarizer); updates: progress notes between tool calls, which this
+    # model does not write apart from its thought, so its thought is not shown (as "omitted")
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
     @model_validator(mode="after")
     def _budget(self) -> ThinkingConfig:
@@ -236,6 +254,63 @@ class OutputConfig(BodyPart):
     format: OutputFormat | None = None
 
 
+class InputTokens(BodyPart):
+    type: Literal["input_tokens"]
+    value: int = Field(ge=0)
+
+
+class ToolUses(BodyPart):
+    type: Literal["tool_uses"]
+    value: int = Field(ge=0)
+
+
+class ThinkingTurns(BodyPart):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class ClearThinking(BodyPart):
+    """`clear_thinking_20251015`: thinking blocks of all but the last `keep` assistant turns that have them (Anthropic's
+    default: 1), or none with `keep: "all"`."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns = ThinkingTurns(type="thinking_turns", value=1)
+
+
+class ClearToolUses(BodyPart):
+    """`clear_tool_uses_20250919`: once the prompt passes `trigger` (Anthropic's default: 100,000 input tokens), the
+    results of all but the last `keep` tool uses (default 3) are replaced by a placeholder, their inputs too with
+    `clear_tool_inputs` (true, or the tools' names), uses of `exclude_tools` kept; not applied unless that clears at
+    least `clear_at_least` tokens."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] = InputTokens(type="input_tokens",
+                                                                                           value=100_000)
+    keep: ToolUses = ToolUses(type="tool_uses", value=3)
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] = False
+
+
+EDIT_TYPES = ("clear_thinking_20251015", "clear_tool_uses_20250919")
+
+
+def _edit_types(value: Any) -> Any:
+    for i, edit in enumerate(value if isinstance(value, list) else ()):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind not in EDIT_TYPES:
+            raise ValueError(f"edit {i} has type {kind!r}: supported here: {', '.join(EDIT_TYPES)}")
+    return value
+
+
+class ContextManagement(BodyPart):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    edits: Annotated[list[Annotated[ClearThinking | ClearToolUses, Field(discriminator="type")]],
+                     BeforeValidator(_edit_types)] = Field(default_factory=list, max_length=8)
+
+
 class PromptBody(RequestBody):
     """What both routes render: the model, the conversation, the tools and the thinking switch."""
 
@@ -248,6 +323,7 @@ class PromptBody(RequestBody):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     # Accepted and ignored: they change nothing in the output here (see the module docstring).
     cache_control: dict[str, Any] | None = None
     speed: Literal["standard", "fast"] | None = None
@@ -257,15 +333,17 @@ class PromptBody(RequestBody):
     def _roles(cls, value: Any) -> Any:
         for i, message in enumerate(value if isinstance(value, list) else ()):
             role = message.get("role") if isinstance(message, dict) else None
-            if role not in ("user", "assistant"):
-                raise ValueError(f"message {i} has role {role!r}: 'user' or 'assistant' (the system prompt is the "
-                                 "top-level 'system' field)")
+            if role not in ("user", "assistant", "system"):
+                raise ValueError(f"message {i} has role {role!r}: 'user', 'assistant' or 'system'")
         return value
 
     @field_validator("messages")
     @classmethod
     def _ends_with_the_user(cls, value: list[Any]) -> list[Any]:
-        if value and value[-1].role == "assistant":
+        turns = [message.role for message in value if message.role != "system"]  # a system turn is not the last turn
+        if not turns:
+            raise ValueError("no user message: system turns alone are not a conversation")
+        if turns[-1] == "assistant":
             raise ValueError("the last message must be the user's: continuing an assistant prefill is not supported")
         return value
 
@@ -274,6 +352,11 @@ class PromptBody(RequestBody):
     def _custom_tools(cls, value: Any) -> Any:
         for i, tool in enumerate(value if isinstance(value, list) else ()):
             kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind.startswith(TOOL_SEARCH_TYPES):
+                raise ValueError(f"tool {i} has type {kind!r}: Anthropic's server-side tool search is not run here; "
+                                 "mark tools `defer_loading: true` and give the model a custom tool that searches "
+                                 "them (as Claude Code's ToolSearch does): a deferred tool joins the prompt once the "
+                                 "conversation names it")
             if kind not in (None, "custom"):
                 raise ValueError(f"tool {i} has type {kind!r}: only custom tools (name, description, input_schema) are "
                                  "supported (this server runs no server tools)")

@@ -9,6 +9,18 @@ The thinking mapping (the chat path holds the one thinking budget every route sh
   turns thinking on, as any effort does on chat. With thinking disabled it is refused: here an effort only sizes the
   thought, so it would change nothing.
 
+System turns: a `system` turn inside `messages` (Claude Code sends a trailing one, and reminders mid-conversation) is a
+chat `system` message in place, which Gemma-4's template renders as a system turn where it stands: the prompt before
+it stays what it was (a turn appended to the system prompt instead would change the prompt's first tokens, and no
+cached prefix would survive it). The top-level system's `x-anthropic-billing-header:` block (Claude Code's first block,
+different in every invocation) is billing metadata, not an instruction, and left out of the prompt, so that two
+invocations share their whole system prompt and tools in the cache.
+
+Deferred tools (`defer_loading: true`) are left out of the prompt until the conversation surfaces them: a tool_use of
+that name, or a tool result that names it in a `<function>{...}</function>` line (the form Claude Code's ToolSearch
+answers in). A surfaced tool is declared with the others from then on (Gemma-4 declares tools in the system turn, so
+that request re-prefills from there once).
+
 Images: an `image` block is a chat `image_url` part (a base64 source as its data: URL, a url source as its URL), read
 by the chat path's own reader, so the prompt and the images the engine gets are chat's. The route checks first what
 it can without reading (`check_images`: a server that reads no images, a url source where none is downloaded), in
@@ -37,7 +49,7 @@ from server.api.messages.schemas import (
     UrlSource,
 )
 from server.api.schemas import ChatCompletionRequest
-from server.errors import AnthropicError, APIError
+from server.errors import AnthropicError, APIError, ContextOverflow
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -73,6 +85,15 @@ def _result(block: ToolResultBlock, where: str, chat_index: int,
     return _content([(-1, error), *((j, b) for j, b in blocks if isinstance(b, ImageBlock))], where, chat_index, places)
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+_FUNCTION_LINE = re.compile(r"<function>(.*?)</function>", re.DOTALL)
+
+
+def system_text(system: Sequence[TextBlock] | None) -> str:
+    """The top-level system prompt's text, the billing-header block left out (see the module docstring)."""
+    return "\n".join(b.text for b in system or () if not b.text.startswith(BILLING_HEADER))
+
+
 def chat_messages(system: Sequence[TextBlock] | None, messages: Sequence[InputMessage],
                   places: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The conversation as OpenAI chat messages: an assistant message's thinking blocks are its `reasoning_content`
@@ -81,8 +102,13 @@ def chat_messages(system: Sequence[TextBlock] | None, messages: Sequence[InputMe
     user message (chat content parts, in order). A result with `is_error` is given to the model as `{"error": TEXT}`
     (Gemma-4 renders it as the tool's response object), followed by its images if it has any. `places`, when given,
     maps each image's chat param to its Messages block's: a chat-path error about an image names the block sent."""
-    chat: list[dict[str, Any]] = [{"role": "system", "content": "\n".join(b.text for b in system)}] if system else []
+    text = system_text(system)
+    chat: list[dict[str, Any]] = [{"role": "system", "content": text}] if text else []
     for i, message in enumerate(messages):
+        if message.role == "system":
+            chat.append({"role": "system", "content": "\n".join(b.text for b in message.content
+                                                                 if isinstance(b, TextBlock))})
+            continue
         if message.role == "assistant":
             texts = [block.text for block in message.content if isinstance(block, TextBlock)]
             thought = "".join(block.thinking for block in message.content if isinstance(block, ThinkingBlock))
@@ -136,8 +162,42 @@ def check_images(body: PromptBody, images_off: str | None, allow_urls: bool) -> 
                                  "the image as a base64 source", param=param, code="invalid_value")
 
 
+def surfaced_tools(messages: Sequence[InputMessage]) -> set[str]:
+    """The tool names the conversation has brought up: called, or given in a tool result's `<function>` line."""
+    names: set[str] = set()
+    for message in messages:
+        for block in message.content:
+            if isinstance(block, ToolUseBlock):
+                names.add(block.name)
+            elif isinstance(block, ToolResultBlock):
+                for inner in block.content:
+                    if isinstance(inner, TextBlock) and "<function>" in inner.text:
+                        names.update(_function_names(inner.text))
+    return names
+
+
+def _function_names(text: str) -> list[str]:
+    names = []
+    for match in _FUNCTION_LINE.finditer(text):
+        try:
+            declared = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if isinstance(declared, dict) and isinstance(declared.get("name"), str):
+            names.append(declared["name"])
+    return names
+
+
+def effort_of(body: PromptBody) -> str | None:
+    """The effort asked for: the latest turn's own `output_config.effort` (per-turn control), else the body's."""
+    for message in reversed(body.messages):
+        if message.output_config is not None and message.output_config.effort is not None:
+            return message.output_config.effort
+    return body.output_config.effort if body.output_config else None
+
+
 def _thinking_fields(body: PromptBody) -> dict[str, Any]:
-    thinking, effort = body.thinking, body.output_config.effort if body.output_config else None
+    thinking, effort = body.thinking, effort_of(body)
     fields: dict[str, Any] = {}
     if thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": thinking.type != "disabled"}
@@ -154,11 +214,13 @@ def _thinking_fields(body: PromptBody) -> dict[str, Any]:
 def chat_request(body: PromptBody) -> ChatCompletionRequest:
     """`body` (a MessagesRequest, or a count_tokens body: the same prompt, nothing to sample) as a chat request."""
     choice = body.tool_choice
+    surfaced = surfaced_tools(body.messages) if body.tools and any(t.defer_loading for t in body.tools) else set()
+    tools = [tool for tool in body.tools or () if not tool.defer_loading or tool.name in surfaced]
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": chat_messages(body.system, body.messages),
         "tools": [{"type": "function", "function": tool.model_dump(include={"name", "description"}, exclude_none=True)
-                   | {"parameters": tool.input_schema}} for tool in body.tools] if body.tools else None,
+                   | {"parameters": tool.input_schema}} for tool in tools] or None,
         "tool_choice": None if choice is None else _CHOICES.get(choice.type) or
         {"type": "function", "function": {"name": choice.name}},
         "parallel_tool_calls": False if choice is not None and choice.disable_parallel_tool_use else None,
@@ -186,7 +248,10 @@ _TERMS = Terms("messages", _RENAMED, functools.partial(_TOOL_FUNCTION.sub, lambd
 
 def in_messages_terms(exc: APIError, body: PromptBody | None = None) -> AnthropicError:
     """A chat-path error in Anthropic's shape, naming the Messages field it came from (with `body`, the request it
-    was translated from: an error about an image part names its image block)."""
+    was translated from: an error about an image part names its image block). A prompt too long for the context is
+    worded exactly as Anthropic words it (see ContextOverflow)."""
+    if isinstance(exc, ContextOverflow):
+        return AnthropicError(400, exc.anthropic_message, param="messages", code=exc.code)
     if not exc.param:
         return AnthropicError.of(exc)
     places: dict[str, str] = {}  # an image part's chat param -> the block it came from
