@@ -15,6 +15,7 @@ Deliberate choices (do not "fix" these without reading why):
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -133,6 +134,28 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     return text or None
 
 
+def _untagged(loc: tuple[int | str, ...], raw: bytes) -> tuple[int | str, ...]:
+    """`loc` without the tags pydantic inserts for a discriminated union's member: ('tools', 0, 'function', 'name')
+    for a flat `{"type": "function", "name": ...}` is the client's `tools[0].name`. A part is a tag where the body's
+    object there has no such key and its `type` is that part (a chat tool's real `function` key is kept)."""
+    try:
+        node: Any = json.loads(raw)
+    except ValueError:
+        return loc
+    kept: list[int | str] = []
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part not in node and node.get("type") == part:
+            continue  # a union tag: the same object, one level down in pydantic's path only
+        kept.append(part)
+        if isinstance(node, dict):
+            node = node.get(part) if isinstance(part, str) else None
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return tuple(kept)
+
+
 def parse(model: type[Body], raw: bytes) -> Body:
     """Validate a raw JSON body; any problem (bad UTF-8, bad JSON, bad field) is an APIError 400."""
     try:
@@ -144,7 +167,7 @@ def parse(model: type[Body], raw: bytes) -> Body:
         if error["type"] == "model_type" and not error["loc"]:
             raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
         ctx = error.get("ctx") or {}
-        loc = tuple(error["loc"])
+        loc = _untagged(tuple(error["loc"]), raw)
         named = ctx.get("param", ctx.get("loc"))  # our custom errors name their field in ctx
         param = _param(loc if named is None else (*loc, named))
         message = error["msg"].removeprefix("Value error, ")
