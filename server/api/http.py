@@ -156,8 +156,11 @@ def _untagged(loc: tuple[int | str, ...], raw: bytes) -> tuple[int | str, ...]:
     return tuple(kept)
 
 
-def parse(model: type[Body], raw: bytes) -> Body:
-    """Validate a raw JSON body; any problem (bad UTF-8, bad JSON, bad field) is an APIError 400."""
+def parse(model: type[Body], raw: bytes, *, untagged: bool = False) -> Body:
+    """Validate a raw JSON body; any problem (bad UTF-8, bad JSON, bad field) is an APIError 400. `untagged`: the
+    param leaves out discriminated unions' tags (`_untagged`): the Responses API names a flat tool's field
+    `tools[0].name`, while the Messages API's params keep them (`messages[0].content[1].image.source.base64.data`,
+    the block's and the source's type, as its tests and docs name them)."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -167,7 +170,7 @@ def parse(model: type[Body], raw: bytes) -> Body:
         if error["type"] == "model_type" and not error["loc"]:
             raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
         ctx = error.get("ctx") or {}
-        loc = _untagged(tuple(error["loc"]), raw)
+        loc = _untagged(tuple(error["loc"]), raw) if untagged else tuple(error["loc"])
         named = ctx.get("param", ctx.get("loc"))  # our custom errors name their field in ctx
         param = _param(loc if named is None else (*loc, named))
         message = error["msg"].removeprefix("Value error, ")

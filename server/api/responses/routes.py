@@ -54,7 +54,7 @@ class ResponsesRoutes:
 
     async def create(self, request: Request) -> Response:
         body = parse(ResponsesRequest, await read_body(request, self.settings.max_body_bytes,
-                                                       self.settings.body_timeout_s))
+                                                       self.settings.body_timeout_s), untagged=True)
         history: tuple[dict[str, Any], ...] = ()
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)
