@@ -140,7 +140,7 @@ def _untagged(loc: tuple[int | str, ...], raw: bytes) -> tuple[int | str, ...]:
     object there has no such key and its `type` is that part (a chat tool's real `function` key is kept)."""
     try:
         node: Any = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # what pydantic parsed, Python's parser may still refuse (nesting depth)
         return loc
     kept: list[int | str] = []
     for part in loc:
