@@ -131,15 +131,16 @@ class MessagesRoutes:
     # ------------------------------------------------------------------ POST /v1/messages/count_tokens
 
     async def count_tokens(self, request: Request) -> Response:
-        sent = parse(CountTokensRequest, await self._body(request))
-        body, managed = await self._edited(sent)
+        body, managed = await self._edited(parse(CountTokensRequest, await self._body(request)))
         chat_body = self._chat_body(body)
         try:
             ids = await self.chat.prompt_ids(chat_body)
         except APIError as exc:
             raise in_messages_terms(exc, body) from None
         answer: dict[str, Any] = {"input_tokens": len(ids)}
-        if managed is not None:  # as Anthropic answers it: the count before the edits too
-            answer["context_management"] = {"original_input_tokens": await self._count(sent) if managed[
-                "applied_edits"] else len(ids)}
+        if managed is not None:  # as Anthropic answers it: the count before the edits too. Each applied edit's
+            # cleared_input_tokens is its before minus its after, and each before the last one's after: their sum
+            # and today's count are the original's, with no second rendering of the unedited conversation.
+            cleared = sum(edit["cleared_input_tokens"] for edit in managed["applied_edits"])
+            answer["context_management"] = {"original_input_tokens": len(ids) + cleared}
         return JSONResponse(answer)
