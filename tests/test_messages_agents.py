@@ -27,6 +27,7 @@ import torch
 from server.app.runtime import Host, graph_loader, load_host
 from server.config import served_as, served_names
 from server.errors import context_overflow
+from tests.support import gemma4_app
 from tests.support.api_fixtures import LiveServer, settings
 from tests.support.gemma4_app import Prompts, gemma4_server
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
@@ -95,13 +96,7 @@ def prompts(server: LiveServer) -> Prompts:
     return server.prompts  # type: ignore[attr-defined, no-any-return]
 
 
-@pytest.fixture
-def script(host: Host, graph: GatedGraph) -> Iterator[Callable[[str], None]]:
-    def set_script(text: str) -> None:
-        graph.script = host.tokenizer.encode(text, add_special_tokens=False)
-
-    yield set_script
-    graph.script = None
+script = gemma4_app.script  # a fixture (by assignment, as gemma4_app's docstring says): it drives `graph` below
 
 
 @pytest.fixture(scope="module")
