@@ -68,6 +68,7 @@ def main() -> None:
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # lm-eval's prints (result tables, warnings) join its log on stderr
     for line in sys.stdin:
+        answer: dict[str, Any]
         try:
             answer = {"ok": run(json.loads(line))}
         except Exception as error:  # noqa: BLE001 - the test reports lm-eval's failure, whatever it is
