@@ -229,8 +229,10 @@ def test_token_budget_never_starves_a_long_prompt(loop: asyncio.AbstractEventLoo
         shorts.append(seq := seq_of(loop, [2, 100 + n, 101 + n, 102 + n]))
         scheduler.add(seq)
     names: dict[Seq, str] = {long: "long", **{seq: "short" for seq in shorts}}
-    chunks = [kind for kind in kinds_of(scheduler, names, 14) if kind != "decode"]  # a decode step between each two
-    assert chunks == ["short", "short", "short", "long", "short", "short", "short"]
+    kinds = kinds_of(scheduler, names, 14)
+    # the first short ends before anything decodes, then a decode step between any two chunks
+    assert kinds == ["short", "short", "decode", "short", "decode", "long", "decode", "short", "decode", "short",
+                     "decode", "short", "decode", "long"]
 
 
 def test_a_larger_budget_runs_several_chunks_between_decode_steps(loop: asyncio.AbstractEventLoop) -> None:
