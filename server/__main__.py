@@ -112,7 +112,7 @@ def _add_bench(sub: _Subcommands) -> None:
                        help="with --concurrency: a v3 build to measure")
     bench.add_argument("--graph", dest="bench_graph", default="jit", choices=GRAPH_KINDS,
                        help="with --artifacts: its graph kind (default: jit)")
-    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill,kv-quant}",
+    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill,kv-quant,fairness}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     _add_bench_parts(parts)
 
@@ -150,6 +150,23 @@ def _add_bench_parts(parts: _Subcommands) -> None:
     kv.add_argument("--no-bf16-baseline", dest="kv_bf16", action="store_false",
                     help="skip the bf16-KV comparison printed beside int8's (the builds' unquantized KV dtype)")
     _add_json(kv)
+    fair = parts.add_parser("fairness", help="four running streams' inter-token gaps while an image is encoded, a long "
+                            "prompt is scored or three newcomers arrive, and the newcomers' first tokens (null graph, "
+                            "the 26B's roofline step times)")
+    fair.add_argument("--scenarios", type=_names, default=None, metavar="NAME,...",
+                      help="which scenarios (default: baseline,image,plain,scored,newcomers)")
+    fair.add_argument("--image-budget", type=int, default=70, metavar="N",
+                      help="the image's soft-token budget (default: 70)")
+    fair.add_argument("--scored", type=int, default=4096, metavar="N",
+                      help="tokens of the scored (and the plain) prompt (default: 4096)")
+    fair.add_argument("--newcomers", type=_counts, default=(8192, 512, 16), metavar="N,N,...",
+                      help="the newcomers' prompt lengths (default: 8192,512,16)")
+    fair.add_argument("--no-compare", dest="fair_compare", action="store_false",
+                      help="skip the run as before (first-come prefill, host work on the device thread)")
+    fair.add_argument("--cache-dir", dest="fair_cache_dir", type=Path, default=Path(DEFAULT_CACHE).expanduser(),
+                      metavar="DIR", help=f"where the 26B-shaped bench table lives, built on first use (default: "
+                      f"{DEFAULT_CACHE})")
+    _add_json(fair)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -157,6 +174,16 @@ def _counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"stream counts must be positive integers, got {text!r}")
     return counts
+
+
+def _names(text: str) -> tuple[str, ...]:
+    from server.tools.bench.fairness import SCENARIOS
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"scenarios are some of {','.join(SCENARIOS)}, got {text!r}")
+    return names
 
 
 def _setup_logging(level: str) -> None:
@@ -246,8 +273,23 @@ def _bench_kv_quant(args: argparse.Namespace) -> int:
                         args.json_path, bf16_baseline=args.kv_bf16)
 
 
+def _bench_fairness(args: argparse.Namespace) -> int:
+    import json
+
+    from server.tools.bench import fairness
+
+    results = fairness.measure(args.fair_cache_dir, scenarios=args.scenarios or fairness.SCENARIOS,
+                               image_budget=args.image_budget, scored=args.scored, newcomers=args.newcomers,
+                               compare=args.fair_compare)
+    fairness.print_fairness(results)
+    print(json.dumps(results))
+    if args.json_path is not None:
+        args.json_path.write_text(json.dumps(results) + "\n", encoding="utf-8")
+    return 0
+
+
 BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints,
-               "prefill": _bench_prefill, "kv-quant": _bench_kv_quant}
+               "prefill": _bench_prefill, "kv-quant": _bench_kv_quant, "fairness": _bench_fairness}
 
 
 def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:

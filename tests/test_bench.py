@@ -134,3 +134,23 @@ def test_bench_prefill_times_one_long_prompt_in_chunks(tmp_path: Path) -> None:
     assert json.loads(done.stdout.strip().splitlines()[-1]) == results
     assert (results["prompt_tokens"], results["prefill_bucket"], results["chunks"]) == (400, 128, 4)
     assert len(results["seconds"]) == 1 and results["median_s"] > 0 and results["prompt_tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_fairness_reports_each_scenario(tmp_path: Path) -> None:
+    """`bench fairness` with small prompts (the newcomers 256/128/16, a 128-token scored prompt), as built only: every
+    scenario's gaps, and the smallest newcomer first, within its own prefill plus two steps."""
+    out = tmp_path / "fairness.json"
+    done = subprocess.run([sys.executable, "-m", "server", "bench", "fairness", "--scenarios", "newcomers,scored",
+                           "--newcomers", "256,128,16", "--scored", "128", "--no-compare", "--json", str(out),
+                           "--cache-dir", str(cache_root())], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    assert "roofline" in results["graph"] and "before" not in results
+    for name in ("newcomers", "scored"):
+        row = results["now"][name]
+        assert row["gaps"] > 0 and 0 < row["gap_ms_p50"] <= row["gap_ms_p99"] <= row["gap_ms_max"], (name, row)
+    newcomers = results["now"]["newcomers"]
+    assert newcomers["order"][0] == 16
+    assert newcomers["ttft_ms_16"] <= newcomers["ttft_bound_ms_16"]

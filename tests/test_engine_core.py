@@ -9,15 +9,15 @@ from concurrent.futures import Future
 
 import pytest
 
-from server.engine.scheduler import DecodeStep, PrefillStep, Step
+from server.engine.scheduler import Alternate, DecodeStep, PrefillStep, Step
 from server.engine.sequence import Sequence as Seq
 from server.engine.sequence import State
 from tests.support.core import Call, Walk, prompt_of
 
 
 @pytest.fixture
-def walk() -> Iterator[Walk]:
-    walk = Walk(bucket=8)
+def walk(request: pytest.FixtureRequest) -> Iterator[Walk]:
+    walk = Walk(bucket=8, **getattr(request, "param", {}))
     yield walk
     walk.close()
 
@@ -26,8 +26,10 @@ def states(walk: Walk) -> list[State]:
     return [seq.state for seq in walk.core.records.values()]
 
 
+@pytest.mark.parametrize("walk", [{"policy": Alternate()}], indirect=True)
 def test_step_runs_one_graph_call_and_says_which_rows_it_carried(walk: Walk) -> None:
-    """Two requests: the first's three chunks, its first decode beside nothing, the second's chunk, then one decode
+    """Two requests, under the first-come, first-served policy (`Alternate`; the default's order is
+    test_scheduler's): the first's three chunks, its first decode beside nothing, the second's chunk, then one decode
     step of both rows; every step is one call, and the records' states follow it."""
     a = walk.submit(prompt_of(20), 3)
     b = walk.submit(prompt_of(5, start=900), 2)

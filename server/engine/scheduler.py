@@ -7,10 +7,12 @@ prefill chunk of a newcomer, or one decode step over every sequence that has its
   (first come, first served); here, where.
 - What runs next is the policy's (`Policy`, swappable): it is handed the ready prefilling sequences (admitted, their
   host work done, chunks left) and the decoding ones, both in admission order, and returns the step.
-  `Alternate`, the first policy: a prefill chunk, then a decode step, then the next chunk, while both kinds of work
-  wait. A running stream therefore never waits longer than one chunk plus one step between two tokens, however long
-  the prompt that arrived beside it, and a newcomer's first token comes after its own prefill and at most the step
-  that ran when it arrived plus one decode step. Prompts are prefilled in arrival order, chunk by chunk.
+  `TokenBudget`, the default (vLLM's token budget, over a contract of one prompt's chunk per call): between two decode
+  steps at most `budget` prefill tokens run (default: one chunk), so a running stream never waits longer than one
+  chunk plus one step between two tokens; the chunk goes to the prompt with the fewest tokens left (a 16-token probe
+  beside an 8k prompt is done after its one chunk), and a prompt passed over `patience` times gets the next chunk,
+  so a long prompt is never starved (docs/concurrency.md argues the choice).
+  `Alternate`, the first policy, stays for comparison: chunk and decode step in turn, prompts first come, first served.
 - A decode step takes every decoding sequence; the graph runs the smallest compiled batch that holds them.
 - Prefill is planned once, when the sequence is admitted (server.engine.buckets). An image's soft tokens are in one
   chunk: the plan never splits them, and a cached prefix that would end inside an image is cut back to its start.
@@ -82,6 +84,47 @@ class Alternate:
         return DecodeStep(tuple(decoding)) if decoding else None
 
 
+class TokenBudget:
+    """Decode steps keep their cadence; between two of them at most `budget` prefill tokens (0: one chunk, whatever
+    its size), given to the ready prompt with the fewest tokens left; one passed over `patience` chunks in a row goes
+    first (the oldest such), so every prompt gets at least one chunk in `patience` + 1. Deterministic: the choice is a
+    function of the sequences' plans, their admission order and the chunks this policy handed out."""
+
+    def __init__(self, budget: int = 0, patience: int = 16) -> None:
+        self.budget = budget
+        self.patience = patience
+        self._spent = 0  # prefill tokens since the last decode step
+        self._passed: dict[Sequence, int] = {}  # chunks given to others since a prompt's own last one
+
+    def next_step(self, prefilling: Seq[Sequence], decoding: Seq[Sequence]) -> Step | None:
+        self._passed = {seq: self._passed.get(seq, 0) for seq in prefilling}  # those that left are forgotten
+        if not prefilling:
+            self._spent = 0
+            return DecodeStep(tuple(decoding)) if decoding else None
+        seq = self.choose(prefilling)
+        begin, end = seq.chunks[0]
+        if decoding and self._spent and self._spent + (end - begin) > self.budget:
+            self._spent = 0  # the round is full: the running streams' step
+            return DecodeStep(tuple(decoding))
+        self._spent = self._spent + (end - begin) if decoding else 0
+        for other in prefilling:
+            self._passed[other] = 0 if other is seq else self._passed[other] + 1
+        return PrefillStep.next_of(seq)
+
+    def choose(self, prefilling: Seq[Sequence]) -> Sequence:
+        """Who gets the next chunk: the oldest prompt passed over `patience` times, else the fewest tokens left (the
+        earliest admitted among equals)."""
+        aged = [seq for seq in prefilling if self._passed.get(seq, 0) >= self.patience]
+        if aged:
+            return aged[0]
+        return min(prefilling, key=remaining)  # min keeps the first of equals: admission order
+
+
+def remaining(seq: Sequence) -> int:
+    """Prompt tokens `seq` has still to prefill."""
+    return seq.chunks[-1][1] - seq.chunks[0][0] if seq.chunks else 0
+
+
 class Scheduler:
     """The sequences holding a KV slot (`active`, in admission order) and the next step, as the policy picks it."""
 
@@ -91,7 +134,7 @@ class Scheduler:
         self.slots = slots
         self.capacity = capacity  # sequences at once
         self.prefix_reuse = prefix_reuse
-        self.policy: Policy = policy or Alternate()
+        self.policy: Policy = policy or TokenBudget()
         self.active: list[Sequence] = []
 
     @property

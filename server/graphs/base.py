@@ -105,6 +105,9 @@ class VisionEncoder(Protocol):
     call (the engine plans chunks so); decode steps never hold image tokens."""
 
     budgets: tuple[int, ...]  # the soft-token budgets (max_soft_tokens: 70, 140, 280, ...) it encodes, ascending
+    # True: torch on the host (the engine encodes on a host worker, off the device thread); False: a device graph
+    # (encoded on the device thread, right before the image's chunk)
+    on_host: bool
 
     def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """pixel_values [1, P, D] f32 (P = budget * pooling_kernel_size**2 patch rows, padded), position_ids
