@@ -20,7 +20,7 @@ from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
 from server.errors import ArtifactError
 from server.graphs.base import DTYPES, Graph
-from server.model.artifacts import PREPROCESSOR_FILE, ArtifactDir, GraphSpec, validate
+from server.model.artifacts import ArtifactDir, GraphSpec, image_processor_file, validate
 from server.model.embedding import HostEmbedding
 from server.model.structure import ModelStructure
 from server.model.tokenizer import HostTokenizer
@@ -110,7 +110,9 @@ def _vision(art: ArtifactDir, kind: str, spec: GraphSpec, tokenizer: HostTokeniz
     plan = plan_vision(settings.vision, art, kind, spec, DTYPES[spec.input_dtype])
     if plan.mode == "off":
         return plan, None
-    reader = ImageReader(art.cfg / PREPROCESSOR_FILE, tokens=media_tokens(model_config(art), tokenizer),
+    settings_file = image_processor_file(art.cfg)
+    assert settings_file is not None  # plan_vision turned images off (or refused) without it
+    reader = ImageReader(settings_file, tokens=media_tokens(model_config(art), tokenizer),
                          budgets=plan.budgets, default_budget=settings.image_tokens,
                          max_images=settings.max_images_per_request, max_bytes=settings.max_image_bytes,
                          max_pixels=settings.max_image_pixels, allow_urls=settings.allow_image_urls)

@@ -34,6 +34,10 @@ GRAPH_FILES = ("sqz_neff.pt", "model.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 VISION_FILE = "vision.safetensors"  # the host encoder's weights: vision_tower.* and embed_vision.* (issue 27)
 PREPROCESSOR_FILE = "preprocessor_config.json"  # in cfg/: the image processor's settings
+# ... or, as transformers 5's processors save them (Gemma4Processor.save_pretrained writes only this), the
+# `image_processor` entry of processor_config.json
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_FILES = (PREPROCESSOR_FILE, PROCESSOR_FILE)
 CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write slots and masks
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
 CONTRACT_V3 = "gemma4-optb/v3"  # v2 with S KV slots (slot ids in) and decode graphs over several rows
@@ -358,3 +362,16 @@ def _check_embedding(path: Path, config: dict[str, Any] | None) -> str | None:
         if vocab and hidden and tuple(table.shape) != (vocab, hidden):
             return f"{path}: shape {tuple(table.shape)} does not match the config's [vocab, hidden] = [{vocab}, {hidden}]"
     return None
+
+
+def image_processor_file(directory: Path) -> Path | None:
+    """The file in `directory` holding the image processor's settings: preprocessor_config.json, else a
+    processor_config.json with an `image_processor` entry (what transformers 5 saves); None when neither is there."""
+    old, new = directory / PREPROCESSOR_FILE, directory / PROCESSOR_FILE
+    if old.is_file():
+        return old
+    try:
+        saved = json.loads(new.read_text(encoding="utf-8")) if new.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return new if isinstance(saved, dict) and isinstance(saved.get("image_processor"), dict) else None
