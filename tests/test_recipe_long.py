@@ -2,7 +2,8 @@
 token against transformers.
 
 A tiny Gemma-4 (tests/support/recipe_helpers.py's TINY: k_eq_v global layers with proportional partial RoPE, MoE
-beside the shared MLP, tied lm_head; here two layers, one sliding (window 8) and one global, and 40,960 positions)
+beside the shared MLP, tied lm_head; here two layers, one sliding (window 8) and one global, two query heads on one
+KV head (so the tiles' folded heads are exercised) and 40,960 positions)
 is built by the recipe at MAX 33,280 with two KV slots, decode batches 1 and 2, prefill buckets 64 and 512, and the
 defaults of a v3 build: prefill graphs that return the last row's logits and global attention in query tiles of 64.
 A 32,800-token prompt is prefilled in bucket-planned chunks into slot 0 (the sliding layer's ring of 520 slots wraps
