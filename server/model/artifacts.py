@@ -122,6 +122,11 @@ class GraphSpec:
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes, ascending
     block_ids: bool = False  # v2/v3 --vision: the prefill graphs take image-block ids [1, T] (graph.json `block_ids`)
     vision: VisionSpec | None = None  # a --vision build's tower (graph.json `vision`)
+    # v2/v3 last-row builds (issue 34, graph.json `prefill_logits: "last"`): the prefill graphs take last_index [1]
+    # and return that row's logits [1, 1, V]; the score graphs (`score_buckets`) return every row. Absent, as in
+    # every graph.json written before them: every prefill graph returns every row.
+    last_logits: bool = False
+    score_buckets: tuple[int, ...] = ()
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -165,6 +170,8 @@ class GraphSpec:
             decode_batches=tuple(sorted({int(b) for b in data.get("decode_batches") or (1,)})) if v3 else (1,),
             block_ids=bool(data.get("block_ids")),
             vision=VisionSpec.from_json(data["vision"]) if data.get("vision") else None,
+            last_logits=data.get("prefill_logits", "all") == "last",
+            score_buckets=tuple(sorted({int(b) for b in data.get("score_buckets") or ()})),
         )
         if spec.max_total < 2 or not 1 <= min(spec.buckets) <= spec.prefill_bucket <= spec.max_total:
             raise ValueError(f"need 1 <= prefill buckets <= max_total, got {spec.buckets}, {spec.max_total}")
@@ -176,6 +183,11 @@ class GraphSpec:
             raise ValueError("a v2 graph with a sliding window records kv_slots.sliding_attention too")
         if spec.v3 and (spec.sliding_window is None) != (spec.sliding_slots is None):
             raise ValueError("a v3 graph with a sliding window records ring_slots.sliding_attention too")
+        if data.get("prefill_logits", "all") not in ("all", "last"):
+            raise ValueError(f"prefill_logits must be 'all' or 'last', got {data.get('prefill_logits')!r}")
+        if spec.last_logits and (not (spec.v2 or spec.v3) or spec.score_buckets != (min(spec.buckets),)):
+            raise ValueError("a v2/v3 graph with prefill_logits 'last' records its score graph at the smallest prefill "
+                             f"bucket (score_buckets [{min(spec.buckets)}]), got {list(spec.score_buckets)}")
         if spec.v3 and not 1 <= min(spec.decode_batches) <= max(spec.decode_batches) <= spec.kv_slots:
             raise ValueError(f"need 1 <= decode batches <= kv_slots, got {spec.decode_batches}, {spec.kv_slots}")
         return spec
@@ -199,6 +211,8 @@ class GraphSpec:
                           ring_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
                           weight_files=list(self.weight_files), kv_slots=self.kv_slots,
                           decode_batches=list(self.decode_batches))
+        if self.last_logits:
+            record.update(prefill_logits="last", score_buckets=list(self.score_buckets))
         if self.block_ids:
             record["block_ids"] = {"graphs": "prefill"}
         if self.vision is not None:
