@@ -30,6 +30,9 @@ KEYS = {
     # The grammar vocabulary (issue 22): built with the server, from its cached token table on a later start.
     "constraint_vocab_build_s", "constraint_vocab_build_s_cached", "first_constrained_ms_after_ready",
     "rss_mb_grammar_built",
+    # A step's sampled rows together vs row by row (issue 35): 4 rows at V = 262,144, default and top-p alone.
+    "sampling_ms_4_rows_batched", "sampling_ms_4_rows_by_row", "sampling_ms_4_rows_top_p_batched",
+    "sampling_ms_4_rows_top_p_by_row",
 }
 
 
