@@ -7,7 +7,6 @@ four decode in batches of 4; each seeded choice draws exactly what the same seed
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from server.engine.types import GenerationRequest
 from server.graphs.jit import JitGraphV3
 from server.sampling.params import SamplingParams
 from tests.support.api_fixtures import LiveServer, live_server, settings
-from tests.test_recipe_v3 import build_args, checkpoint, prompt_of  # noqa: F401
+from tests.test_recipe_v3 import prompt_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -30,12 +29,8 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=50)
 
 
 @pytest.fixture(scope="module")
-def host(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Host:  # noqa: F811
-    out = tmp_path_factory.mktemp("nway-v3") / "artifacts"
-    done = subprocess.run(build_args(checkpoint, out, "--weights", "separate"), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr
-    return load_host(out, "jit", "tiny-v3")
+def host(recipe_v3_artifacts: Path) -> Host:
+    return load_host(recipe_v3_artifacts, "jit", "tiny-v3")  # tests/conftest.py: the build test_batched_jit serves
 
 
 class Prefills:

@@ -218,9 +218,11 @@ def tie_heavy_rows(rows: int, vocab: int = V) -> torch.Tensor:
 def test_topk_rows_equals_topk_of_each_row_ties_included(vocab: int, k: int) -> None:
     x = tie_heavy_rows(5, vocab)
     values, ids = topk_rows(x, k)
-    alone = [topk(row, k, as_lists=True) for row in x]
-    assert values == [v for v, _ in alone] and ids == [i for _, i in alone]  # ids too: ties break the same way
-    assert values[0] == torch.topk(x[0], k).values.tolist()
+    alone = [topk_rows(row[None], k) for row in x]  # each row alone, as Sampler.sample takes it
+    assert values == [v[0] for v, _ in alone] and ids == [i[0] for _, i in alone]  # ids too: ties break the same way
+    for row, row_values, row_ids in zip(x, values, ids, strict=True):
+        assert row_values == torch.topk(row, k).values.tolist()  # exact: the values of torch's own top-k
+        assert row[row_ids].tolist() == row_values and len(set(row_ids)) == k  # each id holds its value
 
 
 MIXED = [
