@@ -17,7 +17,7 @@ from server.sampling.params import SamplingParams
 from server.tools.bench.host import CONFIG_26B, full_sort_top_p
 from tests.support.configs import GEMMA4_26B_A4B
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
-from tests.support.models import cache_root
+from tests.support.models import cache_root, demo_dir
 from tests.support.sampling_reference import GEMMA4_SOFTCAP, chi_square_ok, reference_probs
 
 KEYS = {
@@ -137,3 +137,27 @@ def test_bench_prefill_times_one_long_prompt_in_chunks(tmp_path: Path) -> None:
     assert json.loads(done.stdout.strip().splitlines()[-1]) == results
     assert (results["prompt_tokens"], results["prefill_bucket"], results["chunks"]) == (400, 128, 4)
     assert len(results["seconds"]) == 1 and results["median_s"] > 0 and results["prompt_tok_per_s"] > 0
+
+
+def test_bench_soak_runs_a_mixed_load_and_frees_every_slot(tmp_path: Path) -> None:
+    """`python -m server bench soak --seconds S`: the mixed HTTP load on the null graph (here for seconds, on the test
+    demo's tokenizer); every kind of request ran, none answered 5xx, the streams were timed, the cancelled requests'
+    slots were freed, and the report is the usual table then JSON line."""
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "--cache-dir", str(cache_root()), "soak", "--seconds", "6",
+         "--clients", "4", "--sample-s", "1", "--artifacts", str(demo_dir()), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    kinds = json.loads(results["soak_requests_by_kind"])
+    assert set(kinds) == {"chat", "tools", "json", "responses", "messages", "cancel", "probe", "routes"}, kinds
+    statuses = json.loads(results["soak_responses_by_status"])
+    assert results["soak_5xx"] == 0 and set(statuses) == {"200"}, results["soak_first_refusals"]
+    assert results["soak_cancelled"] == kinds["cancel"] > 0
+    assert results["soak_requests_running_after"] == 0 and results["soak_kv_slots_in_use_after"] == 0
+    assert 0 < results["soak_ttft_ms_p50"] <= results["soak_ttft_ms_p99"]
+    assert 0 < results["soak_itl_ms_p50"] <= results["soak_itl_ms_p99"]
+    assert "soak rss_mb t=" in done.stdout and results["soak_rss_mb_last"] > 0
