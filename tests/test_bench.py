@@ -16,8 +16,9 @@ import torch
 from server.sampling.params import SamplingParams
 from server.tools.bench.host import CONFIG_26B, full_sort_top_p
 from tests.support.configs import GEMMA4_26B_A4B
+from tests.support.gemma4_app import gemma4_host
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
-from tests.support.models import cache_root, demo_dir
+from tests.support.models import cache_root
 from tests.support.sampling_reference import GEMMA4_SOFTCAP, chi_square_ok, reference_probs
 
 KEYS = {
@@ -140,13 +141,15 @@ def test_bench_prefill_times_one_long_prompt_in_chunks(tmp_path: Path) -> None:
 
 
 def test_bench_soak_runs_a_mixed_load_and_frees_every_slot(tmp_path: Path) -> None:
-    """`python -m server bench soak --seconds S`: the mixed HTTP load on the null graph (here for seconds, on the test
-    demo's tokenizer); every kind of request ran, none answered 5xx, the streams were timed, the cancelled requests'
-    slots were freed, and the report is the usual table then JSON line."""
+    """`python -m server bench soak --seconds S`: the mixed HTTP load on the null graph (here for seconds, on the tiny
+    Gemma-4 export's artifacts: the Gemma-4 tokenizer and template, tool calls included); every kind of request ran,
+    all answered 200, the streams were timed, the cancelled requests' slots were freed, and the report is the usual
+    table then JSON line."""
+    gemma4_host(tmp_path / "gemma4")  # exports tmp_path/gemma4/artifacts
     out = tmp_path / "soak.json"
     done = subprocess.run(
         [sys.executable, "-m", "server", "bench", "--cache-dir", str(cache_root()), "soak", "--seconds", "6",
-         "--clients", "4", "--sample-s", "1", "--artifacts", str(demo_dir()), "--json", str(out)],
+         "--clients", "4", "--sample-s", "1", "--artifacts", str(tmp_path / "gemma4" / "artifacts"), "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -154,6 +157,7 @@ def test_bench_soak_runs_a_mixed_load_and_frees_every_slot(tmp_path: Path) -> No
     assert json.loads(done.stdout.strip().splitlines()[-1]) == results
     kinds = json.loads(results["soak_requests_by_kind"])
     assert set(kinds) == {"chat", "tools", "json", "responses", "messages", "cancel", "probe", "routes"}, kinds
+    assert results["soak_left_out"] == "none"
     statuses = json.loads(results["soak_responses_by_status"])
     assert results["soak_5xx"] == 0 and set(statuses) == {"200"}, results["soak_first_refusals"]
     assert results["soak_cancelled"] == kinds["cancel"] > 0
