@@ -3,8 +3,11 @@ into free KV slots, asks the scheduler for the next step, runs that one graph ca
 and thread-free, so a test walks it one graph call at a time; the front (server.engine.engine) drives it from the
 device-owner thread and adds the lifecycle, the queue bound and the watchdog.
 
-- Admission is first come, first served; a choice of one request (n > 1: the same prompt) is admitted once the one
-  before it ended, so it finds the prompt, and its logits, still in that slot's cache: no prefill.
+- Admission is first come, first served. The choices of one request (n > 1: the same prompt) run side by side when
+  the graph copies slots: admitted together, one prefills the prompt, its slot is copied into the others' and each
+  samples its first token from the same logits (its own sampler and seed), so they decode in one batch. Else (or past
+  the free slots) a choice is admitted once the one before it ended and finds the prompt, and its logits, still in
+  that slot's cache: no prefill either.
 - Held tokens: a sampled token's Delta waits for the next graph call and goes out when that call submits its device
   work, whatever the call is (a decode step or another sequence's prefill chunk): server.graphs.base `on_submit`.
 - `_retire` is the one way a request ends: its record is marked finished before its Finish is published, so a caller
@@ -129,7 +132,17 @@ class EngineCore:
             return [seq for seq in self.records.values() if seq.state is State.WAITING]
 
     def _first_admissible(self) -> Sequence | None:
-        return next((seq for seq in self._waiting() if seq.after is None or seq.after.finished), None)
+        return next((seq for seq in self._waiting()
+                     if seq.after is None or seq.after.finished or self._copy_source(seq) is not None), None)
+
+    def _copy_source(self, seq: Sequence) -> Sequence | None:
+        """n > 1: the running choice whose prompt, not prefilled yet, `seq` copies once it is (None: it waits for the
+        choice before it to end, as on a graph that cannot copy slots)."""
+        after = seq.after
+        if after is None or not self.graph.copies_slots or seq.prompt_logprobs is not None:
+            return None
+        source = after.source or after  # the choice before it may be a copy itself: then its source
+        return source if source.chunks and source in self.scheduler.active else None
 
     def expire_waiting(self, now: float) -> None:
         """Waiting requests past their wall-clock limit end now (the watchdog's, even while the device is stuck)."""
@@ -160,6 +173,7 @@ class EngineCore:
         with self._lock:
             seq = self._first_admissible()
             if seq is not None:
+                seq.source = self._copy_source(seq)
                 seq.state, seq.after = State.PREPARING, None  # out of the watchdog's reach, the choice link let go
             return seq
 
@@ -183,6 +197,9 @@ class EngineCore:
         if seq.budget == 0 and seq.prompt_logprobs is None:  # the prompt alone (echo, max_tokens 0): nothing to compute
             seq.reason = "length"
             self._end(seq)
+            return
+        if seq.source is not None:  # its prompt is copied from its source's slot once prefilled
+            self.scheduler.add_copy(seq, seq.source)
             return
         kept = self.scheduler.add(seq)
         vision = self.runner.vision
@@ -211,7 +228,9 @@ class EngineCore:
     def _sweep(self) -> None:
         """A prefilling sequence that was cancelled, or whose host work failed, ends now, not when its chunk comes up:
         checked between any two graph calls, so its slot is free within one step."""
-        for seq in [seq for seq in self.scheduler.active if seq.chunks or seq.held_logits is not None]:
+        # (choices waiting for a copy of another's prompt too: a cancelled one frees its slot now)
+        for seq in [seq for seq in self.scheduler.active
+                    if seq.chunks or seq.held_logits is not None or seq.source is not None]:
             failed = seq.host_failure
             if seq.handle.cancelled.is_set():
                 seq.reason = "cancelled"
@@ -237,6 +256,8 @@ class EngineCore:
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
         if logits is not None:
+            if isinstance(step, PrefillStep):
+                rows, logits = self._share_prompt(step.seq, logits)
             self._postprocess(rows, logits)
 
     def _release_scored(self) -> None:
@@ -252,7 +273,25 @@ class EngineCore:
                 self._fail((seq,), f"{type(exc).__name__}: {exc}")
                 continue
             if first is not None:
-                self._postprocess((seq,), first)
+                rows, first = self._share_prompt(seq, first)  # n > 1: the choices waiting for this prompt too
+                self._postprocess(rows, first)
+
+    def _share_prompt(self, seq: Sequence, logits: torch.Tensor) -> tuple[tuple[Sequence, ...], torch.Tensor]:
+        """`seq`'s prompt is prefilled: its slot copied into each choice waiting for it, which reuse its logits [1, V].
+        The rows to sample and their logits [B, V] (a view: every row the same)."""
+        rows = [seq]
+        for choice in self.scheduler.copies_of(seq):
+            try:
+                self.runner.copy_slot(seq, choice)
+            except Exception as exc:  # noqa: BLE001 - that choice fails, the others go on
+                log.exception("request %s: its slot copy failed", choice.handle.request.request_id)
+                self._fail([choice], f"{type(exc).__name__}: {exc}")
+                continue
+            self.scheduler.copied(choice)
+            assert choice.kv is not None
+            choice.kv.keep(choice.prompt_keys, logits[:, None])  # [1, 1, V]: the same prompt again needs no call
+            rows.append(choice)
+        return tuple(rows), logits.expand(len(rows), -1)
 
     def _publish_held(self) -> None:
         for seq in self.scheduler.decoding:

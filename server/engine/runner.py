@@ -130,6 +130,11 @@ class Runner:
             kv.tokens.append(token)  # type: ignore[union-attr]
         return logits
 
+    def copy_slot(self, src: Seq, dst: Seq) -> None:
+        """dst's slot takes a copy of src's KV (n > 1: a prompt prefilled once). Not a step: no row decodes in it."""
+        assert src.kv is not None and dst.kv is not None
+        self.graph.copy_slot(src.kv.index, dst.kv.index)
+
     def _call(self, rows: tuple[Seq, ...] | Sequence[Seq], call: Callable[[Callable[[], None]], torch.Tensor],
               publish: Callable[[], None] | None = None) -> torch.Tensor:
         """One graph call for `rows`; `publish` runs once: when the graph submits its device work, or after a failure

@@ -14,6 +14,9 @@ prefill chunk of a newcomer, or one decode step over every sequence that has its
   so a long prompt is never starved (docs/concurrency.md argues the choice).
   `Alternate`, the first policy, stays for comparison: chunk and decode step in turn, prompts first come, first served.
 - A decode step takes every decoding sequence; the graph runs the smallest compiled batch that holds them.
+- n > 1 side by side (`add_copy`): a choice admitted while the choice before it still has its prompt's chunks to run
+  takes a slot of its own and no chunks; once that prompt is prefilled the engine copies its slot into the choice's
+  (`Graph.copy_slot`). A source that ends first hands its prompt to its first waiting choice, which then prefills it.
 - Prefill is planned once, when the sequence is admitted (server.engine.buckets). An image's soft tokens are in one
   chunk: the plan never splits them, and a cached prefix that would end inside an image is cut back to its start.
 A one-slot graph has capacity 1: one sequence prefills, then decodes, as it always did.
@@ -154,22 +157,51 @@ class Scheduler:
     def decoding(self) -> list[Sequence]:
         return [seq for seq in self.active if seq.state is State.DECODING]
 
+    @property
+    def copying(self) -> list[Sequence]:
+        """Admitted choices waiting for another's prompt to be prefilled, to copy its slot (n > 1)."""
+        return [seq for seq in self.active if seq.source is not None]
+
+    def copies_of(self, source: Sequence) -> list[Sequence]:
+        return [seq for seq in self.active if seq.source is source]
+
     def add(self, seq: Sequence) -> torch.Tensor | None:
         """Admit `seq` into a free slot: what the slot holds of its prompt is kept, the rest planned into chunks.
         Returns the kept logits [1, 1, V] when the whole prompt is cached with them (it decodes at once)."""
         assert self.has_room, "admitted beyond the free slots"
-        prompt = seq.prompt_keys
         # A request for the prompt's logprobs prefills all of it: the cache keeps KV, not the logits they come from.
+        seq.kv = self.slots.choose(seq.prompt_keys, self.prefix_reuse and seq.prompt_logprobs is None)
+        self.active.append(seq)
+        return self._plan(seq)
+
+    def add_copy(self, seq: Sequence, source: Sequence) -> None:
+        """Admit `seq`, a choice of `source`'s prompt (source still has chunks to run), into a free slot that takes a
+        copy of source's once that prompt is prefilled (`copied`): no chunks of its own."""
+        assert self.has_room, "admitted beyond the free slots"
+        kv = self.slots.choose(seq.prompt_keys, prefix_reuse=False)  # its KV is replaced: the cheapest to lose
+        kv.rewind_to(0)
+        seq.kv, seq.source = kv, source
+        self.active.append(seq)
+
+    def copied(self, seq: Sequence) -> None:
+        """`seq`'s slot now holds its source's prompt (the graph copied it): it reused all of it."""
+        source = seq.source
+        assert seq.kv is not None and source is not None and source.kv is not None
+        seq.kv.tokens = list(source.kv.tokens)
+        seq.source, seq.reused_tokens = None, seq.num_prompt_tokens
+
+    def _plan(self, seq: Sequence) -> torch.Tensor | None:
+        """What `seq`'s slot keeps of its prompt, the rest planned into chunks; the kept logits (as `add`)."""
+        kv, prompt = seq.kv, seq.prompt_keys
+        assert kv is not None
         reuse = self.prefix_reuse and seq.prompt_logprobs is None
-        kv = self.slots.choose(prompt, reuse)
         start, kept = kv.reuse(prompt, reuse)
         blocks = seq.image_blocks
         inside = next((begin for begin, end in blocks if begin < start < end), None)
         if inside is not None:  # the graph can continue only mid-image (a rewind): the whole image again
             start, kept = kv.rewind_to(inside), None
-        seq.kv, seq.reused_tokens = kv, start
+        seq.reused_tokens = start
         seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets, blocks))
-        self.active.append(seq)
         return kept
 
     def schedule(self) -> Step | None:
@@ -187,3 +219,10 @@ class Scheduler:
         seq.chunks.clear()
         if seq.kv is not None:
             self.slots.release(seq.kv)
+        orphans = self.copies_of(seq)
+        if orphans:  # its prompt never reached the cache: the first choice waiting for it prefills it for the rest
+            lead, *rest = orphans
+            lead.source = None
+            self._plan(lead)
+            for choice in rest:
+                choice.source = lead

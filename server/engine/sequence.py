@@ -59,7 +59,7 @@ class Sequence:
     __slots__ = ("handle", "state", "after", "preparing", "token_ids", "prompt_keys", "num_prompt_tokens", "sampler",
                  "constraint", "budget", "deadline", "generated", "ttft_s", "reused_tokens", "prefill_calls",
                  "graph_calls", "device_s", "pending", "reason", "error", "grammar_done", "kv", "chunks",
-                 "prompt_logprobs", "encoded", "scoring", "held_logits", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+                 "source", "prompt_logprobs", "encoded", "scoring", "held_logits", "_detok", "_stops", "_eos_ids", "_ignore_eos")
 
     # Built by `start` once the sequence is admitted (the engine's parts for one run of the request).
     sampler: Sampler
@@ -96,6 +96,8 @@ class Sequence:
         self.device_s = 0.0  # time inside those calls
         self.kv: KVSlot | None = None  # its slot while it runs (the scheduler's)
         self.chunks: collections.deque[tuple[int, int]] = collections.deque()  # prompt spans still to prefill
+        # n > 1: the choice of the same prompt whose slot this one copies once that prompt is prefilled (the scheduler's)
+        self.source: Sequence | None = None
         self.pending: Delta | None = None  # the last token's Delta, out when the next graph call submits
         self.reason: str | None = None  # set once the sequence ends: stop | length | timeout | cancelled | error
         self.error: str | None = None

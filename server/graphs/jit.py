@@ -278,6 +278,9 @@ class JitGraphV2(_CompiledGraph, OneSlotGraph):
         return position if keeps else 0
 
 
+KV_STATES = ("k_cache", "v_cache", "k_scale", "v_scale")  # the recipe's per-layer KV buffers (SlotRingCache)
+
+
 def ring_keeps(position: int, written: int, window: int | None, ring: int | None) -> bool:
     """Whether a ring cache written up to `written` still holds what a query at `position` reads (JitGraphV2.rewind)."""
     return position > 0 and (ring is None or window is None or position - window + 1 > written - ring)
@@ -308,6 +311,12 @@ class JitGraphV3(_CompiledGraph):
         self._batch_for = decode_batch_for(spec.decode_batches)
         self._slot_written = [-1] * spec.kv_slots  # per slot: highest position written (pads included)
         self._slot_ids = [torch.tensor([s]) for s in range(spec.kv_slots)]  # [1] int64 each, made once
+        # The CPU trace keeps each layer's K and V (and int8 scales) as module buffers [S, kvh, R, D]: a slot's copy is
+        # one indexed copy per buffer. A Neuron build keeps them on the device, where a copy needs a graph of its own
+        # that the recipe does not build yet (docs/contract-v3.md): there the engine runs n > 1 one choice at a time.
+        self._kv_states = [] if neuron_model(self.module) is not None else [
+            buf for name, buf in self.module.named_buffers() if name.endswith(KV_STATES)]
+        self.copies_slots = bool(self._kv_states)
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -373,6 +382,15 @@ class JitGraphV3(_CompiledGraph):
         if not keeps:
             self._slot_written[slot] = -1
         return position if keeps else 0
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        checked_slots([src, dst], self.slots)
+        if not self.copies_slots:
+            raise NotImplementedError("this build keeps its KV on the device and has no slot-copy graph")
+        with torch.no_grad():
+            for state in self._kv_states:  # [S, kvh, R, D]
+                state[dst].copy_(state[src])
+        self._slot_written[dst] = self._slot_written[src]
 
     # Slot 0 as a one-slot graph's calls (what tests of one conversation drive).
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,

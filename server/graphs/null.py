@@ -41,6 +41,7 @@ NULL_SLOTS, NULL_DECODE_BATCHES = 8, (1, 2, 4, 8)
 class NullGraph:
     name = "null"
     image_blocks = False
+    copies_slots = True  # it holds no KV: a copy is a check of the slots
 
     def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
                  input_dtype: torch.dtype = torch.float32, host_softcap: float | None = None,
@@ -113,3 +114,6 @@ class NullGraph:
     def rewind_slot(self, slot: int, position: int) -> int:
         checked_slots([slot], self.slots)
         return position
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        checked_slots([src, dst], self.slots)
