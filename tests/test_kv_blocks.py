@@ -1,11 +1,11 @@
-"""server/engine/kv.py `KVBlocks`: a v4 graph's global-layer KV blocks lent by need (docs/contract-v4.md)."""
+"""server/graphs/blocks.py `KVBlocks`: a v4 graph's global-layer KV blocks lent by need (docs/contract-v4.md)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from server.engine.kv import KVBlocks
+from server.graphs.blocks import KVBlocks
 
 
 def test_blocks_are_lent_by_need_and_given_back() -> None:

@@ -1,6 +1,6 @@
 """Contract v4 end to end on CPU: KV paid by need (issue 34). The recipe's `--contract v4` build keeps the global
 layers' KV in one pool of blocks read through a block table per row, and the sliding layers in per-row rings; the
-host lends blocks by need (server/engine/kv.py `KVBlocks`). Token for token against transformers.
+host lends blocks by need (server/graphs/blocks.py `KVBlocks`). Token for token against transformers.
 
 The tiny Gemma-4 (tests/support/models.py, vocab 262144, window 12) is built with blocks of 16 positions, context
 buckets 64 and 256 (tables 4 and 16 blocks wide), 4 sliding rows and a pool of 24 blocks: a v3 build of the same
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from server.engine.buckets import plan_chunks
-from server.engine.kv import KVBlocks
+from server.graphs.blocks import KVBlocks
 from server.model.embedding import HostEmbedding
 from tests.support.models import reference_model, tiny_gemma4_checkpoint
 from tests.support.recipe_helpers import SCRIPT, load_recipe
@@ -217,3 +217,41 @@ def test_bad_v4_flags_are_refused(checkpoint: Path, tmp_path: Path, capsys: pyte
     with pytest.raises(SystemExit):
         load_recipe().parse_args(build_args(checkpoint, tmp_path / "out", *extra)[2:])
     assert message in capsys.readouterr().err
+
+
+def test_the_engine_serves_a_v4_artifact(artifacts: Path, reference: torch.nn.Module) -> None:
+    """Served: `load_host` reads v4's graph.json, `graph_loader` gives `JitGraphV4` (it lends the blocks), and the
+    engine's scheduler runs a long and a short request at once; each gets transformers' greedy tokens, and the
+    blocks of a finished conversation stay with its slot (its prefix, for a next turn) until a rewind frees them."""
+    import asyncio
+
+    from server.app.runtime import build_engine, graph_loader, load_host
+    from server.engine.types import GenerationRequest
+    from server.graphs.jit import JitGraphV4
+    from server.sampling.params import SamplingParams
+
+    host = load_host(artifacts, "jit")
+    assert host.spec.v4 and host.spec.kv_blocks == POOL and host.spec.context_buckets == CONTEXTS
+    graph = graph_loader(host)()
+    assert isinstance(graph, JitGraphV4) and graph.slots == SLOTS
+    assert graph.free_tokens() == (POOL - 1) * BLOCK
+    del graph
+    engine = build_engine(host)
+    engine.start()
+    prompts = {"long": prompt_of(90, 6), "short": prompt_of(12, 7)}
+    try:
+        assert engine.wait_ready(120), engine.state_reason
+
+        async def go():
+            requests = [GenerationRequest(prompt_ids=tuple(p), max_new_tokens=12,
+                                          sampling=SamplingParams(temperature=0.0)) for p in prompts.values()]
+            return await asyncio.gather(*(engine.submit(r).result() for r in requests))
+
+        completions = asyncio.run(go())
+    finally:
+        engine.stop()
+    eos = set(host.structure.eos_token_ids)
+    for prompt, completion in zip(prompts.values(), completions, strict=True):
+        want = expected(reference, prompt, 12)
+        cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
+        assert list(completion.token_ids) == want[:cut]

@@ -45,6 +45,17 @@ reading and writing only slot ``slot_ids[b]`` at its own position, with its own 
 ``kv_slots`` map, renamed: ``kv_slots`` is S here) and every cache shape. A batch the host rounds up to a compiled
 size fills its spare rows without touching another slot (graphs/jit.py ``JitGraphV3``).
 
+Contract v4 ("gemma4-optb/v4", ``--contract v4 --kv-blocks NB --block-size BS --context-buckets 4096,...``), KV
+paid by need (issue 34; docs/contract-v4.md):
+
+    model(inputs_embeds, position_ids, slot_ids int64 [B], block_table int32 [B,NBc]) -> (logits f32 [B,T,V], *kv)
+
+Sliding layers keep v3's per-row rings (``slot_ids``); global layers keep one pool [NB, kv_heads, BS, D] per layer,
+row b's position p in block ``block_table[b, p // BS]`` (``BlockCache``, ``table_mask``; block 0 is the null block
+pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). ``--slot-table`` and
+``--roofline`` with ``--contract v4`` project the issue's conversation mixes and the decode cost by context.
+Reports without ``--config`` use the 26B-A4B's own text config (``CONFIG_26B``).
+
 Images (``--vision``, v2/v3; issue 27). Two additions:
 
     prefill: model(inputs_embeds, position_ids[, slot_ids], block_ids int64 [1,T]) -> as above   (decode unchanged)
