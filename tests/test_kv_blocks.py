@@ -47,3 +47,19 @@ def test_tables_end_in_the_null_block_and_follow_the_context_bucket() -> None:
     assert table[0, :7].tolist() == pool.rows[0] and table[0, 7] == 0
     assert table[1, 0] == pool.rows[1][0] and table[1, 1:].eq(0).all()
     assert pool.table([1], 64).shape == (1, 4)
+
+
+def test_the_null_graph_models_a_pool() -> None:
+    """graphs/null.py with a pool: blocks lent by need per slot, given back on rewind, and a decode step that costs
+    its context bucket (the benches' model of a v4 build)."""
+    from server.graphs.null import ROOFLINE_S_PER_POSITION, NullGraph
+
+    graph = NullGraph(32, max_total=256, slots=2, decode_batches=(1, 2), kv_pool=KVBlocks(9, 16, (64, 128)))
+    assert graph.free_tokens() == 8 * 16
+    graph.prefill(torch.zeros(1, 40, 4), torch.arange(40)[None], 0)
+    graph.decode(torch.zeros(2, 1, 4), torch.tensor([[40], [0]]), [0, 1])
+    assert len(graph.pool.rows[0]) == 3 and len(graph.pool.rows[1]) == 1
+    assert graph.free_tokens() == 4 * 16
+    assert graph.rewind_slot(0, 0) == 0 and graph.free_tokens() == 7 * 16
+    assert 2e-7 < ROOFLINE_S_PER_POSITION < 3e-7  # 64k positions: ~16 ms a step, the roofline's 8k -> 64k gap
+    assert NullGraph(32).free_tokens() is None
