@@ -112,7 +112,7 @@ def _add_bench(sub: _Subcommands) -> None:
                        help="with --concurrency: a v3 build to measure")
     bench.add_argument("--graph", dest="bench_graph", default="jit", choices=GRAPH_KINDS,
                        help="with --artifacts: its graph kind (default: jit)")
-    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill,kv-quant}",
+    parts = bench.add_subparsers(dest="bench_part", metavar="{load,constraints,vision,prefill,kv-quant,fairness,soak}",
                                  help="one part alone (default: the host-overhead bench, which includes constraints)")
     _add_bench_parts(parts)
 
@@ -150,6 +150,34 @@ def _add_bench_parts(parts: _Subcommands) -> None:
     kv.add_argument("--no-bf16-baseline", dest="kv_bf16", action="store_false",
                     help="skip the bf16-KV comparison printed beside int8's (the builds' unquantized KV dtype)")
     _add_json(kv)
+    fair = parts.add_parser("fairness", help="four running streams' inter-token gaps while an image is encoded, a long "
+                            "prompt is scored or three newcomers arrive, and the newcomers' first tokens (null graph, "
+                            "the 26B's roofline step times)")
+    fair.add_argument("--scenarios", type=_names, default=None, metavar="NAME,...",
+                      help="which scenarios (default: baseline,image,plain,scored,newcomers)")
+    fair.add_argument("--image-budget", type=int, default=70, metavar="N",
+                      help="the image's soft-token budget (default: 70)")
+    fair.add_argument("--scored", type=int, default=4096, metavar="N",
+                      help="tokens of the scored (and the plain) prompt (default: 4096)")
+    fair.add_argument("--newcomers", type=_counts, default=(8192, 512, 16), metavar="N,N,...",
+                      help="the newcomers' prompt lengths (default: 8192,512,16)")
+    fair.add_argument("--no-compare", dest="fair_compare", action="store_false",
+                      help="skip the run as before (first-come prefill, host work on the device thread)")
+    fair.add_argument("--cache-dir", dest="fair_cache_dir", type=Path, default=Path(DEFAULT_CACHE).expanduser(),
+                      metavar="DIR", help=f"where the 26B-shaped bench table lives, built on first use (default: "
+                      f"{DEFAULT_CACHE})")
+    _add_json(fair)
+    soak = parts.add_parser("soak", help="a bounded mixed HTTP load (chat, Responses, Messages, tools, JSON, "
+                            "cancellations, probes) on the null graph with roofline step times: RSS over time and its "
+                            "slope, inter-token gap and TTFT p50/p99, responses by status, KV slots freed")
+    soak.add_argument("--minutes", type=float, default=None, metavar="N", help="how long the load runs (default: 30)")
+    soak.add_argument("--seconds", type=float, default=None, metavar="S", help="or in seconds (a quick check)")
+    soak.add_argument("--clients", type=int, default=6, metavar="N", help="requests in flight at once (default: 6)")
+    soak.add_argument("--sample-s", type=float, default=10.0, metavar="S",
+                      help="seconds between two RSS samples (default: 10)")
+    soak.add_argument("--artifacts", dest="soak_artifacts", type=Path, default=None, metavar="DIR",
+                      help="the artifacts whose tokenizer and template serve (default: the bench's 26B shapes)")
+    _add_json(soak)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -157,6 +185,16 @@ def _counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"stream counts must be positive integers, got {text!r}")
     return counts
+
+
+def _names(text: str) -> tuple[str, ...]:
+    from server.tools.bench.fairness import SCENARIOS
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"scenarios are some of {','.join(SCENARIOS)}, got {text!r}")
+    return names
 
 
 def _setup_logging(level: str) -> None:
@@ -246,8 +284,36 @@ def _bench_kv_quant(args: argparse.Namespace) -> int:
                         args.json_path, bf16_baseline=args.kv_bf16)
 
 
+def _bench_fairness(args: argparse.Namespace) -> int:
+    import json
+
+    from server.tools.bench import fairness
+
+    results = fairness.measure(args.fair_cache_dir, scenarios=args.scenarios or fairness.SCENARIOS,
+                               image_budget=args.image_budget, scored=args.scored, newcomers=args.newcomers,
+                               compare=args.fair_compare)
+    fairness.print_fairness(results)
+    print(json.dumps(results))
+    if args.json_path is not None:
+        args.json_path.write_text(json.dumps(results) + "\n", encoding="utf-8")
+    return 0
+
+
+def _bench_soak(args: argparse.Namespace, settings: Settings) -> int:
+    from server.tools.bench.host import bench_artifacts
+    from server.tools.bench.report import report
+    from server.tools.bench.soak import run_soak
+
+    seconds = args.seconds if args.seconds is not None else 60 * (30 if args.minutes is None else args.minutes)
+    artifacts = args.soak_artifacts or bench_artifacts(settings.cache_dir)
+    results = run_soak(artifacts, seconds=seconds, clients=args.clients, sample_s=args.sample_s,
+                       cache_root=settings.cache_dir)
+    report(results, args.json_path)
+    return 0 if results["soak_5xx"] == 0 and results["soak_kv_slots_in_use_after"] == 0 else 1
+
+
 BENCH_PARTS = {"load": _bench_load, "vision": _bench_vision, "constraints": _bench_constraints,
-               "prefill": _bench_prefill, "kv-quant": _bench_kv_quant}
+               "prefill": _bench_prefill, "kv-quant": _bench_kv_quant, "fairness": _bench_fairness}
 
 
 def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:
@@ -265,6 +331,10 @@ def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _bench(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    if args.bench_part == "soak":  # the one part that serves: the cache directory is the settings'
+        settings = _settings(args, environ)
+        _setup_logging("warning")
+        return _bench_soak(args, settings)
     if args.bench_part is not None:  # a part alone needs no Settings: its flags are its own
         _setup_logging("warning")
         return BENCH_PARTS[args.bench_part](args)

@@ -161,6 +161,10 @@ class Settings:
     max_n: int = _setting("--max-n", "MAX_N", _positive_int, 8,
                           "most choices one request may ask for: n, times the prompts of a /v1/completions list "
                           "(400 beyond; they are admitted together, so --max-queue bounds them too)")
+    max_model_len: int | None = _setting("--max-model-len", "MAX_MODEL_LEN", _positive_int, None,
+                                         "the context a request may use, prompt + completion, at most the build's "
+                                         "(vLLM's flag): longer prompts are refused, completions end there, and "
+                                         "/v1/models reports it; none: the build's context", shown="none (the build's)")
     reasoning_budget: int = _setting("--reasoning-budget", "REASONING_BUDGET", _budget, -1,
                                      "most tokens a thought may take before its channel is closed and the answer "
                                      "follows (counted within max_tokens); a request's reasoning_budget or "

@@ -73,3 +73,25 @@ def gemma_tokenizer() -> Any:
         pad_token="<pad>",
         mask_token="<mask>",
     )
+
+
+@pytest.fixture(scope="session")
+def recipe_v3_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/test_recipe_v3.py's `--contract v3` CPU build (4 KV slots, decode batches 1, 2, 4, separate weights) with
+    the Gemma-4-format test tokenizer in its cfg/: built once for the modules that serve it (a build is minutes here)."""
+    import subprocess
+
+    from tests.support.gemma4_tokenizer import gemma4_cfg_dir
+    from tests.test_recipe_v3 import WINDOW, build_args
+
+    root = tmp_path_factory.mktemp("recipe-v3")
+    checkpoint = models.tiny_gemma4_checkpoint(root / "checkpoint", sliding_window=WINDOW, bf16_table=True)
+    out = root / "artifacts"
+    done = subprocess.run(build_args(checkpoint, out, "--weights", "separate"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    cfg, source = out / "cfg", gemma4_cfg_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copyfile(source / name, cfg / name)
+    (cfg / "special_tokens_map.json").unlink(missing_ok=True)
+    return out

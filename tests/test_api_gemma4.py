@@ -182,7 +182,7 @@ def test_a_stream_cut_mid_call_ends_with_length_and_no_tool_call(server: LiveSer
         message = result["message"]
         assert result["finish_reason"] == "length"
         assert not message.get("tool_calls")
-        assert "get_weather" in message["content"] and '<|"|>' not in message["content"]  # kept, as text
+        assert message["content"] == ""  # dropped: no raw call syntax as text (tests/test_cut_markup.py: every route)
 
 
 def test_a_finished_grammar_ends_without_another_device_step(server: LiveServer, host: Host, graph: ScriptedGraph,

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,9 +31,8 @@ from server.engine.engine import Engine
 from server.engine.types import GenerationRequest
 from server.sampling.params import SamplingParams
 from tests.support.api_fixtures import LiveServer, live_server, metric, settings
-from tests.support.gemma4_tokenizer import gemma4_cfg_dir
 from tests.support.wait import wait_until
-from tests.test_recipe_v3 import BATCHES, SLOTS, build_args, checkpoint, expected, prompt_of, reference  # noqa: F401
+from tests.test_recipe_v3 import BATCHES, SLOTS, checkpoint, expected, prompt_of, reference  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -53,16 +50,8 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def artifacts(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
-    out = tmp_path_factory.mktemp("batched-v3") / "artifacts"
-    done = subprocess.run(build_args(checkpoint, out, "--weights", "separate"), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr
-    cfg, source = out / "cfg", gemma4_cfg_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copyfile(source / name, cfg / name)
-    (cfg / "special_tokens_map.json").unlink(missing_ok=True)
-    return out
+def artifacts(recipe_v3_artifacts: Path) -> Path:
+    return recipe_v3_artifacts  # tests/conftest.py: built once, this build beside its Gemma-4-format tokenizer
 
 
 @pytest.fixture(scope="module")

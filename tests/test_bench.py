@@ -16,6 +16,7 @@ import torch
 from server.sampling.params import SamplingParams
 from server.tools.bench.host import CONFIG_26B, full_sort_top_p
 from tests.support.configs import GEMMA4_26B_A4B
+from tests.support.gemma4_app import gemma4_host
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
 from tests.support.models import cache_root
 from tests.support.sampling_reference import GEMMA4_SOFTCAP, chi_square_ok, reference_probs
@@ -30,6 +31,9 @@ KEYS = {
     # The grammar vocabulary (issue 22): built with the server, from its cached token table on a later start.
     "constraint_vocab_build_s", "constraint_vocab_build_s_cached", "first_constrained_ms_after_ready",
     "rss_mb_grammar_built",
+    # A step's sampled rows together vs row by row (issue 35): 4 rows at V = 262,144, default and top-p alone.
+    "sampling_ms_4_rows_batched", "sampling_ms_4_rows_by_row", "sampling_ms_4_rows_top_p_batched",
+    "sampling_ms_4_rows_top_p_by_row",
 }
 
 
@@ -134,3 +138,50 @@ def test_bench_prefill_times_one_long_prompt_in_chunks(tmp_path: Path) -> None:
     assert json.loads(done.stdout.strip().splitlines()[-1]) == results
     assert (results["prompt_tokens"], results["prefill_bucket"], results["chunks"]) == (400, 128, 4)
     assert len(results["seconds"]) == 1 and results["median_s"] > 0 and results["prompt_tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_fairness_reports_each_scenario(tmp_path: Path) -> None:
+    """`bench fairness` with small prompts (the newcomers 256/128/16, a 128-token scored prompt), as built only: every
+    scenario's gaps, and the smallest newcomer first, within its own prefill plus two steps."""
+    out = tmp_path / "fairness.json"
+    done = subprocess.run([sys.executable, "-m", "server", "bench", "fairness", "--scenarios", "newcomers,scored",
+                           "--newcomers", "256,128,16", "--scored", "128", "--no-compare", "--json", str(out),
+                           "--cache-dir", str(cache_root())], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    assert "roofline" in results["graph"] and "before" not in results
+    for name in ("newcomers", "scored"):
+        row = results["now"][name]
+        assert row["gaps"] > 0 and 0 < row["gap_ms_p50"] <= row["gap_ms_p99"] <= row["gap_ms_max"], (name, row)
+    newcomers = results["now"]["newcomers"]
+    assert newcomers["order"][0] == 16
+    assert newcomers["ttft_ms_16"] <= newcomers["ttft_bound_ms_16"]
+
+
+def test_bench_soak_runs_a_mixed_load_and_frees_every_slot(tmp_path: Path) -> None:
+    """`python -m server bench soak --seconds S`: the mixed HTTP load on the null graph (here for seconds, on the tiny
+    Gemma-4 export's artifacts: the Gemma-4 tokenizer and template, tool calls included); every kind of request ran,
+    all answered 200, the streams were timed, the cancelled requests' slots were freed, and the report is the usual
+    table then JSON line."""
+    gemma4_host(tmp_path / "gemma4")  # exports tmp_path/gemma4/artifacts
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "--cache-dir", str(cache_root()), "soak", "--seconds", "6",
+         "--clients", "4", "--sample-s", "1", "--artifacts", str(tmp_path / "gemma4" / "artifacts"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == results
+    kinds = json.loads(results["soak_requests_by_kind"])
+    assert set(kinds) == {"chat", "tools", "json", "responses", "messages", "cancel", "probe", "routes"}, kinds
+    assert results["soak_left_out"] == "none"
+    statuses = json.loads(results["soak_responses_by_status"])
+    assert results["soak_5xx"] == 0 and set(statuses) == {"200"}, results["soak_first_refusals"]
+    assert results["soak_cancelled"] == kinds["cancel"] > 0
+    assert results["soak_requests_running_after"] == 0 and results["soak_kv_slots_in_use_after"] == 0
+    assert 0 < results["soak_ttft_ms_p50"] <= results["soak_ttft_ms_p99"]
+    assert 0 < results["soak_itl_ms_p50"] <= results["soak_itl_ms_p99"]
+    assert "soak rss_mb t=" in done.stdout and results["soak_rss_mb_last"] > 0

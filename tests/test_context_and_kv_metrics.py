@@ -10,10 +10,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.app.runtime import load_host
+from server.errors import ArtifactError
 from tests.support.api_fixtures import LiveServer, live_server, null_host, settings
+from tests.support.models import demo_dir
 from tests.support.wait import wait_for_value
 
 MODEL = "gemma-test"
@@ -36,6 +39,31 @@ def test_model_cards_report_the_builds_context() -> None:
     for extra in (card.model_extra, one.model_extra):
         assert extra is not None and extra["max_model_len"] == extra["context_length"] == 2048
     assert tokens["max_model_len"] == 2048
+
+
+def test_max_model_len_caps_the_context_below_the_builds() -> None:
+    """--max-model-len (vLLM's flag) is the context every route holds requests to: the card reports it, a prompt past
+    it is refused with the overflow error agents act on, and an unbounded completion ends at it."""
+    capped = settings(max_model_len=64)
+    host = load_host(demo_dir(), "null", "gemma-test", settings=capped)
+    assert host.spec.max_total == 1024 and host.max_total == 64
+    with live_server(capped, host=host) as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        (card,) = client.models.list().data
+        assert card.model_extra is not None and card.model_extra["max_model_len"] == 64
+        prompt = "The quick brown fox jumps over the lazy dog."
+        prompt_tokens = len(host.tokenizer.encode(prompt))
+        done = client.completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True})
+        assert done.usage is not None and done.usage.prompt_tokens == prompt_tokens
+        assert done.usage.completion_tokens == 64 - prompt_tokens and done.choices[0].finish_reason == "length"
+        with pytest.raises(BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt=prompt * 12, max_tokens=1)
+        assert refused.value.code == "context_length_exceeded" and "maximum context length is 64" in str(refused.value)
+
+
+def test_max_model_len_past_the_builds_context_is_refused_at_start_up() -> None:
+    with pytest.raises(ArtifactError, match="--max-model-len 4096: this build's context is 1024 tokens"):
+        load_host(demo_dir(), "null", "gemma-test", settings=settings(max_model_len=4096))
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,15 @@ from concurrent.futures import Future
 
 import pytest
 
-from server.engine.scheduler import DecodeStep, PrefillStep, Step
+from server.engine.scheduler import Alternate, DecodeStep, PrefillStep, Step
 from server.engine.sequence import Sequence as Seq
 from server.engine.sequence import State
 from tests.support.core import Call, Walk, prompt_of
 
 
 @pytest.fixture
-def walk() -> Iterator[Walk]:
-    walk = Walk(bucket=8)
+def walk(request: pytest.FixtureRequest) -> Iterator[Walk]:
+    walk = Walk(bucket=8, **getattr(request, "param", {}))
     yield walk
     walk.close()
 
@@ -26,8 +26,10 @@ def states(walk: Walk) -> list[State]:
     return [seq.state for seq in walk.core.records.values()]
 
 
+@pytest.mark.parametrize("walk", [{"policy": Alternate()}], indirect=True)
 def test_step_runs_one_graph_call_and_says_which_rows_it_carried(walk: Walk) -> None:
-    """Two requests: the first's three chunks, its first decode beside nothing, the second's chunk, then one decode
+    """Two requests, under the first-come, first-served policy (`Alternate`; the default's order is
+    test_scheduler's): the first's three chunks, its first decode beside nothing, the second's chunk, then one decode
     step of both rows; every step is one call, and the records' states follow it."""
     a = walk.submit(prompt_of(20), 3)
     b = walk.submit(prompt_of(5, start=900), 2)
@@ -131,9 +133,43 @@ def test_host_work_holds_a_sequence_back_until_it_is_done(walk: Walk) -> None:
     assert done is not None and done.reason == "length" and done.completion_tokens == 2
 
 
+def test_choices_share_one_prefill_and_decode_together(walk: Walk) -> None:
+    """n > 1 on a graph that copies slots: the three choices are admitted together, the first prefills the prompt,
+    its slot is copied into the others' and all three sample from its logits, then decode in batches of three."""
+    prompt = prompt_of(10)
+    handles = walk.choices(prompt, 3, 3)
+    walk.core.step()  # the first chunk (8 of 10)
+    assert [walk.core.records[h].state for h in handles] == [State.PREFILLING, State.PREPARING, State.PREPARING]
+    walk.core.step()  # the last chunk: the copies, three first tokens
+    assert [walk.core.records[h].state for h in handles] == [State.DECODING] * 3
+    while walk.core.step() is not None:
+        pass
+    assert [call.kind for call in walk.graph.log] == ["prefill", "prefill", "decode", "decode"]
+    assert all(len(call.slots) == 3 for call in walk.graph.log[2:])
+    assert walk.tokens(handles[0]) == walk.tokens(handles[1]) == walk.tokens(handles[2])  # greedy, the same logits
+    finishes = [walk.finish(h) for h in handles]
+    assert [(f.prefill_calls, f.reused_tokens) for f in finishes if f is not None] == [(2, 0), (0, 10), (0, 10)]
+    assert len(walk.core.scheduler.slots.free) == 4
+
+
+def test_a_cancelled_source_hands_its_prompt_to_the_next_choice(walk: Walk) -> None:
+    """The choice that prefills for the others is cancelled mid-prompt: the next prefills it, the last copies it."""
+    prompt = prompt_of(20)
+    first, second, third = walk.choices(prompt, 2, 3)
+    walk.core.step()
+    first.cancel()
+    while walk.core.step() is not None:
+        pass
+    finishes = [walk.finish(h) for h in (first, second, third)]
+    assert [f.reason for f in finishes if f is not None] == ["cancelled", "length", "length"]
+    assert [f.prefill_calls for f in finishes if f is not None] == [1, 3, 0]
+    assert walk.tokens(second) == walk.tokens(third) and len(walk.core.scheduler.slots.free) == 4
+
+
 def test_a_choice_runs_after_the_one_before_it_and_finds_its_prompt_cached(walk: Walk) -> None:
-    """n > 1: the second choice of the same prompt waits (a slot is free) until the first ended, then samples from the
-    first's kept logits: no graph call for its prompt."""
+    """n > 1 on a graph that cannot copy slots: the second choice of the same prompt waits (a slot is free) until the
+    first ended, then samples from the first's kept logits: no graph call for its prompt."""
+    walk.graph.copies_slots = False
     prompt = prompt_of(10)
     first, second = walk.choices(prompt, 2, 2)
     walk.core.step()

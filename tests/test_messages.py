@@ -248,7 +248,8 @@ def test_create_stream_and_count_tokens_on_the_demo(null_live: LiveServer) -> No
     assert raw[0][1]["message"]["content"] == [] and raw[0][1]["message"]["stop_reason"] is None
     assert raw[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert "".join(data["delta"]["text"] for name, data in raw if name == "content_block_delta") == m.content[0].text  # type: ignore[union-attr]
-    assert raw[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert raw[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None, "stop_details": None,
+                                   "container": None}
     assert raw[-2][1]["usage"]["output_tokens"] == 6
     assert final.content[0].text == m.content[0].text and final.stop_reason == "max_tokens"  # type: ignore[union-attr]
     # The repeated prompt is found in the device's KV cache: read from it, not prefilled again.

@@ -151,15 +151,33 @@ def test_stream_cut_mid_call_sends_no_partial_call() -> None:
         streamed = [parser.feed(chunk) for chunk in chunks]
         assert not any(delta.tool_calls for delta in streamed)
         end = parser.finish()
-        assert not end.called_tools and end.delta.tool_calls == ()
+        assert not end.called_tools and end.delta.tool_calls == () and end.cut_call
         content = "".join(delta.content for delta in streamed) + end.delta.content
-        assert content == 'Sure.call:get_weather{city:"Par'
+        assert content == "Sure."  # the cut call is dropped: none of its syntax is text
 
 
 def test_cut_after_one_complete_call_keeps_it() -> None:
     message = parse("<|tool_call>call:a{}<tool_call|><|tool_call>call:b{x:")
-    assert calls(message) == [("a", {})] and message.called_tools
-    assert message.content == "call:b{x:"
+    assert calls(message) == [("a", {})] and message.called_tools and message.cut_call
+    assert message.content == ""
+
+
+def test_a_bare_call_cut_short_is_dropped_when_it_names_a_declared_tool() -> None:
+    """A call whose `<|tool_call>` is missing, cut: dropped when its name is (or may still become) a declared tool's;
+    any other `call:` text stays content."""
+    tools = ("get_weather",)
+    for text, content in ((f"Sure. call:get_weather{{city:{Q}Pa", "Sure. "), ("Sure. call:get_wea", "Sure. "),
+                          (f"call:other{{city:{Q}Pa", 'call:other{city:"Pa'), ("call:me maybe", "call:me maybe")):
+        for chunks in every_split(text):
+            message = parse(*chunks, tool_names=tools)
+            assert (message.content, message.tool_calls) == (content, []), chunks
+            assert message.cut_call == (content == "Sure. ")
+
+
+def test_a_whole_block_that_is_no_call_stays_content() -> None:
+    """Only a call the text ended inside is dropped: a closed block that does not parse is still the model's text."""
+    message = parse("<|tool_call>call:f{not gemma}<tool_call|>after")
+    assert (message.content, message.cut_call) == ("call:f{not gemma}after", False)
 
 
 def test_next_call_opening_closes_an_unclosed_call() -> None:

@@ -2,7 +2,8 @@
 (projections, labelled so), the slot table, the batched-decode bench harness, and the arithmetic behind them.
 
 The issue's starting point, checked here: at 8k context with int8 attention, TP=2, one decoded token reads ~2.39 GB
-per rank, a step of 4 rows ~5.5 GB, and 4 slots need ~14.9 GB per rank with scratch.
+per rank, a step of 4 rows ~5.5 GB, and 4 slots need ~14.9 GB per rank with the scratch of the graphs before issue 34
+(every row's logits, untiled scores), 14.37 GB with a v3 build's last-row prefill and query tiles.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_four_slots_at_8k_fit_a_core_with_int8_attention(tmp_path, capsys):
     assert sizes["kv_cache"] == pytest.approx(4 * 0.3355e9, rel=0.01)
     scratch = max(sizes["prefill_scratch_estimate"], sizes["decode_scratch_estimate"])
     assert sizes["total"] + scratch <= recipe.CORE_BUDGET_BYTES
-    assert sizes["total"] + scratch == pytest.approx(14.96e9, rel=0.005)  # the issue's ~14.9 GB, checked
+    assert sizes["total"] + scratch == pytest.approx(14.37e9, rel=0.005)  # 14.133 resident + 0.241 prefill scratch
     assert "fits in 15 GB per core" in text
     bf16, text = _report(tmp_path, capsys, "--residency", *V3_8K)  # bf16 attention: 0.68 GB more per rank
     assert bf16["attention"] - sizes["attention"] == pytest.approx(0.68e9, rel=0.02)
@@ -70,7 +71,7 @@ def test_slot_table_is_monotone_and_matches_residency(tmp_path, capsys):
                           "--prefill-buckets", "128,512")
     assert table["kind"].startswith("projection") and "PROJECTION" in text
     rows = {(r["attn_quant"], r["max_total"]): r for r in table["rows"]}
-    assert rows[("int8", 8192)]["max_slots"] == 4 and rows[("none", 8192)]["max_slots"] == 2
+    assert rows[("int8", 8192)]["max_slots"] == 4 and rows[("none", 8192)]["max_slots"] == 3
     for row in table["rows"]:
         sizes = [row["bytes"][s] for s in sorted(row["bytes"], key=int)]
         assert sizes == sorted(sizes)  # more slots never cost less

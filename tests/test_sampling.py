@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from server.sampling import sampler as sampler_module
 from server.sampling.params import SamplingParams
-from server.sampling.primitives import argmax, candidates, prompt_logprobs, topk
-from server.sampling.sampler import Sampler
+from server.sampling.primitives import argmax, candidates, prompt_logprobs, topk, topk_rows
+from server.sampling.sampler import Sampler, sample_rows
 from tests.support.sampling_reference import candidate_distribution, chi_square_ok, reference_probs
 
 V = 262_144  # Gemma's vocabulary: the fast paths only engage at realistic sizes
@@ -202,6 +203,89 @@ def test_large_vocab_draws_stay_in_support() -> None:
     tokens = draw(sampler, logits, 200)
     assert bool(support[tokens].all())
     assert len(set(tokens.tolist())) > 1
+
+
+# --- a step's rows sampled together (sample_rows) --------------------------------------------------------
+
+
+def tie_heavy_rows(rows: int, vocab: int = V) -> torch.Tensor:
+    """Rows rounded through bf16 (as a bf16 graph's logits are): many exactly equal values, in and around a top-k."""
+    g = torch.Generator().manual_seed(rows)
+    return (torch.randn(rows, vocab, generator=g) * 3.0).bfloat16().float()  # [R, V]
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(V, 64), (V, 20), (V, 200), (V, 256), (V, 1), (4096, 8), (1000, 64)])
+def test_topk_rows_equals_topk_of_each_row_ties_included(vocab: int, k: int) -> None:
+    x = tie_heavy_rows(5, vocab)
+    values, ids = topk_rows(x, k)
+    alone = [topk_rows(row[None], k) for row in x]  # each row alone, as Sampler.sample takes it
+    assert values == [v[0] for v, _ in alone] and ids == [i[0] for _, i in alone]  # ids too: ties break the same way
+    for row, row_values, row_ids in zip(x, values, ids, strict=True):
+        assert row_values == torch.topk(row, k).values.tolist()  # exact: the values of torch's own top-k
+        assert row[row_ids].tolist() == row_values and len(set(row_ids)) == k  # each id holds its value
+
+
+MIXED = [
+    replace(DEFAULT, seed=1),
+    replace(DEFAULT, seed=2, logprobs=True, top_logprobs=5),
+    SamplingParams(temperature=0.7, top_k=64, min_p=0.05, seed=3, repetition_penalty=1.3, presence_penalty=0.5),
+    SamplingParams(temperature=1.2, top_k=20, seed=4, logit_bias=((7, 4.0), (9, -100.0))),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.8, seed=5, logprobs=True, top_logprobs=3),
+    SamplingParams(temperature=0.0),  # plain greedy: the argmax pass
+    SamplingParams(temperature=1.0, top_p=0.9, seed=6),  # top-k off: row by row
+    replace(DEFAULT, seed=7),  # min_tokens' ban below: masked in its own row, then sampled with the others
+]
+
+
+def test_rows_sampled_together_equal_each_row_sampled_alone_step_after_step() -> None:
+    logits = tie_heavy_rows(len(MIXED))
+
+    def samplers() -> list[Sampler]:
+        made = [Sampler(p, V, [1, 2, 3], CAP) for p in MIXED[:-1]]
+        top = int(logits[-1].argmax())
+        return [*made, Sampler(MIXED[-1], V, [1], CAP, stop_ids=[top], min_tokens=3)]
+
+    together, alone = samplers(), samplers()
+    for _ in range(30):
+        got = sample_rows(together, logits)
+        want = [s.sample(logits[b]) for b, s in enumerate(alone)]
+        assert got == want  # tokens, logprobs and top_logprobs, with each row's own generator
+        for s, t, result in zip(together, alone, got, strict=True):
+            s.accept(result.token_id)
+            t.accept(result.token_id)
+    assert len({r.token_id for r in got[:5]}) > 1
+
+
+def test_rows_sampled_together_in_part_of_a_batch_equal_alone() -> None:
+    # The small-top-k rows are not a contiguous range of the batch: they are gathered (a copy), not viewed.
+    logits = tie_heavy_rows(4)
+    params = [replace(DEFAULT, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2), replace(DEFAULT, seed=3),
+              replace(DEFAULT, top_k=32, seed=4)]
+    got = sample_rows([Sampler(p, V, [], CAP) for p in params], logits)
+    assert got == [Sampler(p, V, [], CAP).sample(logits[b]) for b, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("softcap", [None, CAP])
+def test_rows_sampled_together_each_match_their_reference(softcap: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four rows of one step, each its own logits and parameters, drawn together 4000 times: each row's tokens
+    # against that row's full-sort reference distribution.
+    params = [SamplingParams(temperature=1.0, top_k=8, seed=1), SamplingParams(temperature=0.7, top_k=8, min_p=0.1, seed=2),
+              SamplingParams(temperature=1.0, top_k=64, top_p=0.95, seed=3),
+              SamplingParams(temperature=1.5, top_k=64, top_p=0.8, seed=4)]
+    logits = torch.stack([gemma_like_logits(40 + b, V, 2.0) for b in range(len(params))])  # [R, V]
+    samplers = [Sampler(p, V, [], softcap) for p in params]
+    calls = []
+
+    def counted(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        calls.append((x.shape[0], k))
+        return topk_rows(x, k)
+
+    monkeypatch.setattr(sampler_module, "topk_rows", counted)
+    drawn = torch.tensor([[r.token_id for r in sample_rows(samplers, logits)] for _ in range(4000)])  # [N, R]
+    assert set(calls) == {(2, 8), (2, 64)}  # the rows of each k were taken together
+    for b, p in enumerate(params):
+        counts = torch.bincount(drawn[:, b], minlength=V)
+        assert chi_square_ok(counts, reference_probs(logits[b], p, softcap)), b
 
 
 # --- seeds, greedy ----------------------------------------------------------------------------------------

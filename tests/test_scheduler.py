@@ -14,7 +14,7 @@ import torch
 
 from server.engine.kv import KVSlot, KVSlots
 from server.engine.runner import Abandoned, DeviceWatch, Runner
-from server.engine.scheduler import Alternate, DecodeStep, PrefillStep, Scheduler
+from server.engine.scheduler import Alternate, DecodeStep, PrefillStep, Scheduler, Step, TokenBudget
 from server.engine.sequence import Sequence as Seq
 from server.engine.sequence import State
 from server.engine.types import GenerationRequest, ImageInput, RequestHandle, prompt_keys
@@ -173,6 +173,78 @@ def test_alternate_interleaves_chunks_with_decode_steps_and_skips_what_is_not_re
     work.set_result(None)
     step = scheduler.schedule()
     assert isinstance(step, PrefillStep) and step.seq is held and step.last
+
+
+def kinds_of(scheduler: Scheduler, names: dict[Seq, str], count: int) -> list[str]:
+    """The next `count` steps, each "decode" or the name of the prompt whose chunk ran (a finished plan's sequence
+    turns to decoding, as the core does once its first token is sampled)."""
+    kinds = []
+    for _ in range(count):
+        step: Step | None = scheduler.schedule()
+        assert step is not None
+        if isinstance(step, DecodeStep):
+            kinds.append("decode")
+            continue
+        kinds.append(names[step.seq])
+        if step.last:
+            step.seq.state = State.DECODING
+    return kinds
+
+
+def test_token_budget_gives_the_next_chunk_to_the_shortest_prompt_between_decode_steps(
+        loop: asyncio.AbstractEventLoop) -> None:
+    """Three newcomers arrive together beside a running stream (8k, 512 and 16 tokens, scaled to chunks of 4: 40, 12
+    and 2): the smallest is prefilled first and decodes after its one chunk; the running stream gets a decode step
+    between any two chunks; the long prompt runs last."""
+    scheduler = Scheduler((4,), slots_of(4), capacity=4, policy=TokenBudget())
+    running, long, mid, tiny = (seq_of(loop, list(range(2, 2 + n))) for n in (3, 40, 12, 2))
+    for seq in (running, long, mid, tiny):
+        scheduler.add(seq)
+    running.chunks.clear()
+    running.state = State.DECODING
+    names = {long: "8k", mid: "512", tiny: "16"}
+    kinds = kinds_of(scheduler, names, 10)
+    assert kinds == ["16", "decode", "512", "decode", "512", "decode", "512", "decode", "8k", "decode"]
+    assert long.state is State.PREFILLING and list(long.chunks)[0] == (4, 8)
+
+
+def test_token_budget_runs_prompts_back_to_back_when_nothing_decodes(loop: asyncio.AbstractEventLoop) -> None:
+    scheduler = Scheduler((4,), slots_of(2), capacity=2, policy=TokenBudget())
+    long, short = (seq_of(loop, list(range(2, 2 + n))) for n in (12, 3))
+    for seq in (long, short):
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert isinstance(step, PrefillStep) and step.seq is short and step.last  # the shorter first, though it came later
+    step = scheduler.schedule()  # `short` has not turned to decoding (no token sampled): the long one's chunk
+    assert isinstance(step, PrefillStep) and step.seq is long
+
+
+def test_token_budget_never_starves_a_long_prompt(loop: asyncio.AbstractEventLoop) -> None:
+    """Short prompts keep arriving: the long one, passed over `patience` chunks, gets the next; then waits again."""
+    scheduler = Scheduler((4,), slots_of(8), capacity=8, policy=TokenBudget(patience=3))
+    long = seq_of(loop, list(range(2, 42)))
+    scheduler.add(long)
+    shorts = []
+    for n in range(6):  # one fresh 4-token prompt ready before every chunk
+        shorts.append(seq := seq_of(loop, [2, 100 + n, 101 + n, 102 + n]))
+        scheduler.add(seq)
+    names: dict[Seq, str] = {long: "long", **{seq: "short" for seq in shorts}}
+    kinds = kinds_of(scheduler, names, 14)
+    # the first short ends before anything decodes, then a decode step between any two chunks
+    assert kinds == ["short", "short", "decode", "short", "decode", "long", "decode", "short", "decode", "short",
+                     "decode", "short", "decode", "long"]
+
+
+def test_a_larger_budget_runs_several_chunks_between_decode_steps(loop: asyncio.AbstractEventLoop) -> None:
+    scheduler = Scheduler((4,), slots_of(3), capacity=3, policy=TokenBudget(budget=8))
+    running, a, b = (seq_of(loop, list(range(2, 2 + n))) for n in (3, 8, 12))
+    for seq in (running, a, b):
+        scheduler.add(seq)
+    running.chunks.clear()
+    running.state = State.DECODING
+    names = {a: "a", b: "b"}
+    # 8 prefill tokens (two chunks of 4) a round; `a` turns to decoding after its second chunk and joins the step
+    assert kinds_of(scheduler, names, 6) == ["a", "a", "decode", "b", "b", "decode"]
 
 
 # ------------------------------------------------------------------------------------------------------ runner

@@ -10,6 +10,11 @@ Deliberate choices (do not "fix" these without reading why):
 - A body is read only when it is declared `application/json` (else 415, `check_json_content_type`): the one guard
   against a web page's cross-site POST, which browsers send as text/plain or a form without a preflight.
 - JSON text inside a field is read by `server.json_text.read_json`: the same parser and limits as the body.
+- Strict wire types (`parse` validates in pydantic's strict mode): `"max_tokens": "16"`, `"stream": "true"` or
+  `"logprobs": 1` is a 400 naming the field, as OpenAI's and Anthropic's APIs answer, never coerced. JSON has one
+  number type, so an integer is taken where a float is declared (`"temperature": 1`); not the reverse: OpenAI
+  refuses `"max_tokens": 16.0` ("expected an integer, but got a decimal number"), and so does this server. The
+  ignored fields are held to their documented types too (`IGNORED_TYPES`, the SDKs' request params).
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.requests import ClientDisconnect, Request
 
@@ -33,6 +38,20 @@ IGNORED_FIELDS = frozenset({
     "prompt_cache_retention", "parallel_tool_calls_hint", "modalities", "verbosity",
     "client_metadata",  # the Responses API's (Codex CLI sends its session and turn ids there)
 })
+# The ignored fields' types as the `openai` SDK declares them on CompletionCreateParams and ResponseCreateParams: a
+# value outside them is a 400 as OpenAI answers it, though the field changes nothing here (null: unset, as anywhere).
+# `modalities` may only ask for text: audio output is not something this model writes.
+OpenAITier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+IGNORED_TYPES: Mapping[str, TypeAdapter[Any]] = {
+    "user": TypeAdapter(str | None), "store": TypeAdapter(bool | None),
+    "metadata": TypeAdapter(dict[str, str] | None),
+    "service_tier": TypeAdapter(OpenAITier | None),
+    "safety_identifier": TypeAdapter(str | None), "prompt_cache_key": TypeAdapter(str | None),
+    "prompt_cache_retention": TypeAdapter(Literal["in_memory", "24h"] | None),
+    "verbosity": TypeAdapter(Literal["low", "medium", "high"] | None),
+    "modalities": TypeAdapter(list[Literal["text"]] | None),
+    "prediction": TypeAdapter(dict[str, Any] | None),
+}
 REFUSED_HINTS = {
     "suffix": "Gemma has no fill-in-the-middle format",
     "functions": "use `tools` (the legacy `functions` field is not supported)",
@@ -107,6 +126,7 @@ class RequestBody(BodyPart):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True, json_schema_extra=_described_as_closed)
     refused_hints: ClassVar[Mapping[str, str]] = REFUSED_HINTS  # a route's own reasons for the fields it refuses
+    ignored_types: ClassVar[Mapping[str, TypeAdapter[Any]]] = IGNORED_TYPES  # a route's own, where its SDK differs
 
     @model_validator(mode="after")
     def _no_silent_drops(self) -> RequestBody:
@@ -115,12 +135,26 @@ class RequestBody(BodyPart):
                 if not finite(value):  # the JSON parser reads Infinity/NaN into untyped fields: refused everywhere
                     raise PydanticCustomError("finite_number", "{name}: NaN and infinity are not valid JSON numbers",
                                               {"name": name, "param": name})
+                _check_ignored(name, value, self.ignored_types.get(name))
                 continue
             why = self.refused_hints.get(name, "this server does not support it, and ignoring it could change the "
                                          "output")
             raise PydanticCustomError("unsupported_field", "{name}: unsupported field: {why}",
                                       {"name": name[:64], "why": why, "param": name[:64]})
         return self
+
+
+def _check_ignored(name: str, value: Any, adapter: TypeAdapter[Any] | None) -> None:
+    """An ignored field's value against its documented type (strict: a string is not a bool); a 400 naming it."""
+    if adapter is None:
+        return
+    try:
+        adapter.validate_python(value, strict=True)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = _param((name, *error["loc"]))
+        raise PydanticCustomError("invalid_value", "{where}: {why}", {"where": where, "why": error["msg"],
+                                                                     "param": name}) from None
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -162,7 +196,7 @@ def parse(model: type[Body], raw: bytes, *, untagged: bool = False) -> Body:
     `tools[0].name`, while the Messages API's params keep them (`messages[0].content[1].image.source.base64.data`,
     the block's and the source's type, as its tests and docs name them)."""
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         if error["type"] == "json_invalid":

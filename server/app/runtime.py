@@ -18,8 +18,9 @@ from server.config import Settings, served_names
 from server.constraints.factory import ConstraintFactory
 from server.constraints.vocab import GrammarVocab, VocabLoader
 from server.engine.engine import Engine
+from server.errors import ArtifactError
 from server.graphs.base import DTYPES, Graph
-from server.model.artifacts import PREPROCESSOR_FILE, ArtifactDir, GraphSpec, validate
+from server.model.artifacts import ArtifactDir, GraphSpec, image_processor_file, validate
 from server.model.embedding import HostEmbedding
 from server.model.structure import ModelStructure
 from server.model.tokenizer import HostTokenizer
@@ -45,10 +46,12 @@ class Host:
     aliases: tuple[str, ...] = ()  # the other names --served-model-name lists (model_name is the first)
     vision: VisionPlan = VisionPlan("off", reason="this is a text-only model")  # which encoder reads images
     images: ImageReader | None = None  # what the API reads image parts with (None: images are a 400)
+    context: int | None = None  # --max-model-len, checked against the build's (None: the build's context)
 
     @property
     def max_total(self) -> int:
-        return self.spec.max_total
+        """The context a request may use (prompt + completion): the build's, or less with --max-model-len."""
+        return self.spec.max_total if self.context is None else self.context
 
     @property
     def info(self) -> ModelInfo:
@@ -75,10 +78,15 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     """served_model_name: one name or a comma-separated list (the first is the id, the others aliases). cache_dir: where
     start-up caches live (None: derive everything, write nothing). `chat` and `description`: what the caller knows
     about the model that its files do not say (a base model's GGUF looks like any other). `settings`: the image
-    settings (--vision and its limits); None: images off."""
+    settings (--vision and its limits) and --max-model-len; None: images off, the build's context."""
     art = validate(root, graph)
     kind = art.resolve_graph(graph)
     spec = art.graph_spec()
+    context = settings.max_model_len if settings is not None else None
+    if context is not None and not 2 <= context <= spec.max_total:
+        # A longer context than the graph's positions cannot be served; refused at start-up, as vLLM does.
+        raise ArtifactError(f"--max-model-len {context}: this build's context is {spec.max_total} tokens; give 2 to "
+                         f"{spec.max_total}, or leave it unset")
     structure = ModelStructure.from_dir(art.cfg, cache_dir)
     tokenizer = HostTokenizer.from_dir(art.cfg, cache_dir)
     embed_file = art.embed_file
@@ -91,7 +99,7 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
     vision, images = _vision(art, kind, spec, tokenizer, settings)
     names = served_names(served_model_name) if served_model_name else (art.model_name(),)
     return Host(art, kind, spec, structure, tokenizer, embedding, names[0], protocol, stops, grammar, chat, description,
-                names[1:], vision, images)
+                names[1:], vision, images, context)
 
 
 def _vision(art: ArtifactDir, kind: str, spec: GraphSpec, tokenizer: HostTokenizer,
@@ -102,7 +110,9 @@ def _vision(art: ArtifactDir, kind: str, spec: GraphSpec, tokenizer: HostTokeniz
     plan = plan_vision(settings.vision, art, kind, spec, DTYPES[spec.input_dtype])
     if plan.mode == "off":
         return plan, None
-    reader = ImageReader(art.cfg / PREPROCESSOR_FILE, tokens=media_tokens(model_config(art), tokenizer),
+    settings_file = image_processor_file(art.cfg)
+    assert settings_file is not None  # plan_vision turned images off (or refused) without it
+    reader = ImageReader(settings_file, tokens=media_tokens(model_config(art), tokenizer),
                          budgets=plan.budgets, default_budget=settings.image_tokens,
                          max_images=settings.max_images_per_request, max_bytes=settings.max_image_bytes,
                          max_pixels=settings.max_image_pixels, allow_urls=settings.allow_image_urls)

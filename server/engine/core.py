@@ -3,8 +3,11 @@ into free KV slots, asks the scheduler for the next step, runs that one graph ca
 and thread-free, so a test walks it one graph call at a time; the front (server.engine.engine) drives it from the
 device-owner thread and adds the lifecycle, the queue bound and the watchdog.
 
-- Admission is first come, first served; a choice of one request (n > 1: the same prompt) is admitted once the one
-  before it ended, so it finds the prompt, and its logits, still in that slot's cache: no prefill.
+- Admission is first come, first served. The choices of one request (n > 1: the same prompt) run side by side when
+  the graph copies slots: admitted together, one prefills the prompt, its slot is copied into the others' and each
+  samples its first token from the same logits (its own sampler and seed), so they decode in one batch. Else (or past
+  the free slots) a choice is admitted once the one before it ended and finds the prompt, and its logits, still in
+  that slot's cache: no prefill either.
 - Held tokens: a sampled token's Delta waits for the next graph call and goes out when that call submits its device
   work, whatever the call is (a decode step or another sequence's prefill chunk): server.graphs.base `on_submit`.
 - `_retire` is the one way a request ends: its record is marked finished before its Finish is published, so a caller
@@ -14,6 +17,12 @@ device-owner thread and adds the lifecycle, the queue bound and the watchdog.
 - Prompt logprobs (a request's `prompt_logprobs`) come from each prefill chunk's logits at every position, soft-capped
   as the sampler's, published as one `PromptLogprobs` event after the last chunk. Any other chunk hands back its last
   position's logits only: nothing else of them is read.
+- Host work runs on host workers (server.engine.workers), never on the device thread, which only runs graph calls and
+  the sampler: a host vision encoder's image encodes are submitted at admission (the sequence is `preparing` until
+  they are done); a scored chunk's log-softmax/gather over its [T, V] logits is submitted once the chunk returns (a
+  graph's logits are its own tensor until dropped: every graph here hands back a fresh one a call, or a read-only
+  view), and the prompt's last logits wait in `held_logits` until every chunk is scored, so the PromptLogprobs event
+  still comes before the first token. A failed piece of host work ends its request with the error.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import collections.abc
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +50,7 @@ from server.engine.types import (
     completion_budget,
     prompt_keys,
 )
+from server.engine.workers import SCORING, VISION, HostWorkers
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.sampling.primitives import prompt_logprobs
 from server.sampling.sampler import Sampler, sample_rows
@@ -62,13 +73,14 @@ class EngineCore:
     def __init__(self, graph: Graph, embedding: HostEmbedding, tokenizer: Tokenizer, eos_ids: frozenset[int], *,
                  constraints: ConstraintFactory, capacity: int, request_timeout_s: float, lock: threading.Condition,
                  watch: DeviceWatch, vision: VisionEncoder | None = None, prefix_reuse: bool = True,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, workers: HostWorkers | None = None) -> None:
         self.graph = graph
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.constraints = constraints  # a request's constraint values -> this run's matcher
         self.request_timeout_s = request_timeout_s
         self.runner = Runner(graph, embedding, lock, watch, vision)
+        self.workers = workers or HostWorkers.inline()  # inline: a test stepping the core sees every result at once
         # A cache that one prefill call rebuilds is cheap to evict (server.engine.kv: probes spare an agent's prefix).
         slots = KVSlots(graph.rewind_slot, capacity, short=max(graph.prefill_buckets))
         self.scheduler = Scheduler(graph.prefill_buckets, slots, capacity, prefix_reuse=prefix_reuse, policy=policy)
@@ -120,7 +132,17 @@ class EngineCore:
             return [seq for seq in self.records.values() if seq.state is State.WAITING]
 
     def _first_admissible(self) -> Sequence | None:
-        return next((seq for seq in self._waiting() if seq.after is None or seq.after.finished), None)
+        return next((seq for seq in self._waiting()
+                     if seq.after is None or seq.after.finished or self._copy_source(seq) is not None), None)
+
+    def _copy_source(self, seq: Sequence) -> Sequence | None:
+        """n > 1: the running choice whose prompt, not prefilled yet, `seq` copies once it is (None: it waits for the
+        choice before it to end, as on a graph that cannot copy slots)."""
+        after = seq.after
+        if after is None or not self.graph.copies_slots or seq.prompt_logprobs is not None:
+            return None
+        source = after.source or after  # the choice before it may be a copy itself: then its source
+        return source if source.chunks and source in self.scheduler.active else None
 
     def expire_waiting(self, now: float) -> None:
         """Waiting requests past their wall-clock limit end now (the watchdog's, even while the device is stuck)."""
@@ -141,6 +163,7 @@ class EngineCore:
             while self.scheduler.has_room and (seq := self._take_waiting()) is not None:
                 self._start(seq)
         self._sweep()
+        self._release_scored()
         step = self.scheduler.schedule()
         if step is not None:
             self._run(step)
@@ -150,6 +173,7 @@ class EngineCore:
         with self._lock:
             seq = self._first_admissible()
             if seq is not None:
+                seq.source = self._copy_source(seq)
                 seq.state, seq.after = State.PREPARING, None  # out of the watchdog's reach, the choice link let go
             return seq
 
@@ -174,7 +198,16 @@ class EngineCore:
             seq.reason = "length"
             self._end(seq)
             return
+        if seq.source is not None:  # its prompt is copied from its source's slot once prefilled
+            self.scheduler.add_copy(seq, seq.source)
+            return
         kept = self.scheduler.add(seq)
+        vision = self.runner.vision
+        if vision is not None and vision.on_host:  # images still to prefill are encoded on a worker meanwhile
+            for image in seq.handle.request.images:
+                if image.offset >= seq.reused_tokens:
+                    seq.encoded[image.offset] = work = self.workers.submit(VISION, self.runner.encode, image)
+                    seq.preparing.append(work)
         if kept is not None:  # the same prompt as this slot's last one, all of it still in the cache: no prefill at all
             self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
 
@@ -195,8 +228,10 @@ class EngineCore:
     def _sweep(self) -> None:
         """A prefilling sequence that was cancelled, or whose host work failed, ends now, not when its chunk comes up:
         checked between any two graph calls, so its slot is free within one step."""
-        for seq in self.scheduler.prefilling:
-            failed = next((error for work in seq.preparing if work.done() and (error := work.exception())), None)
+        # (choices waiting for a copy of another's prompt too: a cancelled one frees its slot now)
+        for seq in [seq for seq in self.scheduler.active
+                    if seq.chunks or seq.held_logits is not None or seq.source is not None]:
+            failed = seq.host_failure
             if seq.handle.cancelled.is_set():
                 seq.reason = "cancelled"
             elif failed is not None:
@@ -221,7 +256,42 @@ class EngineCore:
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
         if logits is not None:
+            if isinstance(step, PrefillStep):
+                rows, logits = self._share_prompt(step.seq, logits)
             self._postprocess(rows, logits)
+
+    def _release_scored(self) -> None:
+        """A scored prompt whose every chunk is scored now: its PromptLogprobs, then its first token."""
+        for seq in self.scheduler.active[:]:  # (a copy: a sequence that ends leaves the list)
+            logits = seq.held_logits
+            if logits is None or not all(work.done() for work in seq.scoring):
+                continue
+            seq.held_logits = None
+            try:
+                first = self._after_prompt(seq, logits)
+            except Exception as exc:  # noqa: BLE001 - the sweep saw no failure yet: one can land between the two
+                self._fail((seq,), f"{type(exc).__name__}: {exc}")
+                continue
+            if first is not None:
+                rows, first = self._share_prompt(seq, first)  # n > 1: the choices waiting for this prompt too
+                self._postprocess(rows, first)
+
+    def _share_prompt(self, seq: Sequence, logits: torch.Tensor) -> tuple[tuple[Sequence, ...], torch.Tensor]:
+        """`seq`'s prompt is prefilled: its slot copied into each choice waiting for it, which reuse its logits [1, V].
+        The rows to sample and their logits [B, V] (a view: every row the same)."""
+        rows = [seq]
+        for choice in self.scheduler.copies_of(seq):
+            try:
+                self.runner.copy_slot(seq, choice)
+            except Exception as exc:  # noqa: BLE001 - that choice fails, the others go on
+                log.exception("request %s: its slot copy failed", choice.handle.request.request_id)
+                self._fail([choice], f"{type(exc).__name__}: {exc}")
+                continue
+            self.scheduler.copied(choice)
+            assert choice.kv is not None
+            choice.kv.keep(choice.prompt_keys, logits[:, None])  # [1, 1, V]: the same prompt again needs no call
+            rows.append(choice)
+        return tuple(rows), logits.expand(len(rows), -1)
 
     def _publish_held(self) -> None:
         for seq in self.scheduler.decoding:
@@ -235,14 +305,24 @@ class EngineCore:
         # [1, T, V] when the prompt is scored, else [1, 1, V] of the chunk's last position
         logits = self.runner.prefill(seq, step.begin, step.end, last_only=not scored, on_submit=self._publish_held)
         seq.prefill_calls += 1
-        if seq.prompt_logprobs is not None:
-            seq.prompt_logprobs += self._score_prompt(seq, step.begin, step.end, logits)
+        if scored:
+            seq.scoring.append(self._score_prompt(seq, step.begin, step.end, logits))
         if not step.last:
             return None
         logits = logits[:, -1:]  # [1, 1, V]
         assert seq.kv is not None
         seq.kv.keep(seq.prompt_keys, logits)  # [1, 1, V]
+        if not all(work.done() for work in seq.scoring):  # its first token after its PromptLogprobs (_release_scored)
+            seq.held_logits = logits
+            return None
+        return self._after_prompt(seq, logits)
+
+    def _after_prompt(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
+        """The whole prompt is in the cache (and scored, if asked): its PromptLogprobs out, and the logits [1, V] its
+        first token is sampled from (None: no token to sample)."""
         if seq.prompt_logprobs is not None:
+            for work in seq.scoring:
+                seq.prompt_logprobs += work.result()  # a worker's error is raised here: this request's
             seq.handle.publish(PromptLogprobs(seq.token_ids[0], tuple(seq.prompt_logprobs)))
         if seq.budget == 0:  # the prompt was all it asked for (max_tokens 0): no token is sampled
             seq.reason = "length"
@@ -250,16 +330,16 @@ class EngineCore:
             return None
         return logits.reshape(1, -1)  # [1, V]
 
-    def _score_prompt(self, seq: Sequence, begin: int, end: int, logits: torch.Tensor) -> list[TokenLogprob]:
+    def _score_prompt(self, seq: Sequence, begin: int, end: int, logits: torch.Tensor) -> Future[list[TokenLogprob]]:
         """The logprobs of prompt tokens begin+1..end (those the chunk's positions predict; the prompt's last position
-        predicts the first generated token instead) from the chunk's logits [1, T, V], soft-capped as the sampler's."""
+        predicts the first generated token instead) from the chunk's logits [1, T, V], soft-capped as the sampler's:
+        checked here, computed on a scoring worker."""
         if logits.shape[1] != end - begin:  # a graph that hands back fewer positions than it was given
             raise RuntimeError(f"the {self.graph.name} graph returned logits for {logits.shape[1]} of {end - begin} "
                                "positions: prompt logprobs need every position's")
         targets = seq.token_ids[begin + 1 : min(end + 1, seq.num_prompt_tokens)]  # position p predicts token p + 1
-        rows = logits[0, : len(targets)]  # [T', V]
-        scored = prompt_logprobs(rows, targets, seq.handle.request.prompt_logprobs or 0, self.graph.host_softcap)
-        return [TokenLogprob(token, logprob, tuple(best)) for token, (logprob, best) in zip(targets, scored, strict=True)]
+        return self.workers.submit(SCORING, _scored, logits[0, : len(targets)], targets,  # [T', V]
+                                   seq.handle.request.prompt_logprobs or 0, self.graph.host_softcap)
 
     def _postprocess(self, rows: collections.abc.Sequence[Sequence], logits: torch.Tensor) -> None:
         """Each row's next token from its row of `logits` [B, V]: the sequence ends there, or its Delta is held until
@@ -321,5 +401,12 @@ class EngineCore:
             if seq.finished:
                 return
             seq.state = State.FINISHED
+        seq.drop_host_work()
         for event in events:
             seq.handle.publish(event)
+
+
+def _scored(rows: torch.Tensor, targets: list[int], top: int, softcap: float | None) -> list[TokenLogprob]:
+    """A chunk's prompt logprobs (a scoring worker's): rows [T', V] predict `targets`."""
+    scored = prompt_logprobs(rows, targets, top, softcap)
+    return [TokenLogprob(token, logprob, tuple(best)) for token, (logprob, best) in zip(targets, scored, strict=True)]

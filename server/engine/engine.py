@@ -3,6 +3,8 @@ watchdog thread, admission from the event loop (the --max-queue bound), and the 
 
 - Continuous batching is the core's and the scheduler's: a waiting request takes a free KV slot as soon as there is
   one (up to the graph's slots and --max-batch); newcomers' prefill chunks interleave with decode steps.
+- Host work (image encodes, prompt scoring) runs on the host workers it owns (server.engine.workers); one that
+  finishes wakes the device thread.
 - A graph call that stalls past `step_timeout_s` is abandoned by the watchdog: its requests get an error at once, and
   the engine reports `error` until the call returns (Python cannot interrupt it). Waiting requests past their
   wall-clock limit end even while the device is stuck.
@@ -23,8 +25,10 @@ from server.engine.core import RUNNING, EngineCore
 from server.engine.runner import DeviceWatch
 from server.engine.sequence import State
 from server.engine.types import EngineNotReady, GenerationRequest, KVUsage, QueueFull, RequestHandle
+from server.engine.workers import HostWorkers
 
 if TYPE_CHECKING:
+    from server.engine.scheduler import Policy
     from server.engine.types import Tokenizer
     from server.graphs.base import Graph, VisionEncoder
     from server.model.embedding import HostEmbedding
@@ -41,7 +45,8 @@ class Engine:
                  load_graph: Callable[[], Graph], *, max_queue: int = 16, request_timeout_s: float = 600.0,
                  step_timeout_s: float = 120.0, prefix_reuse: bool = True, on_loaded: Callable[[], None] | None = None,
                  constraints: ConstraintFactory | None = None, max_batch: int = 0,
-                 load_vision: Callable[[], VisionEncoder] | None = None) -> None:
+                 load_vision: Callable[[], VisionEncoder] | None = None, policy: Policy | None = None,
+                 host_workers: bool = True) -> None:
         self.embedding = embedding
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -56,6 +61,9 @@ class Engine:
         self._prefix_reuse = prefix_reuse  # off only to measure what it saves
         self.max_batch = max_batch  # most sequences at once (0: as many as the graph holds)
         self.capacity = 0  # how many run at once, known once the graph is in
+        self._policy = policy  # the scheduler's (None: its default, server.engine.scheduler.TokenBudget)
+        # Image encodes and prompt scoring on host worker threads (off: on the device thread, only to measure that)
+        self._workers = HostWorkers(threads=host_workers, on_done=self._wake)
 
         # What /health reports is derived from these, so no transition can undo another (a stall that
         # recovers during a drain must leave the server draining).
@@ -87,6 +95,12 @@ class Engine:
         self.cancel_all()
         for thread in self._threads:
             thread.join(timeout)
+        self._workers.shutdown()
+
+    def _wake(self) -> None:
+        """A host worker finished a piece of work: the device thread may have a sequence to schedule now."""
+        with self._cond:
+            self._cond.notify_all()
 
     def in_flight(self) -> list[RequestHandle]:
         """Requests submitted whose caller has not received their Finish yet, oldest first."""
@@ -225,7 +239,8 @@ class Engine:
         self.core = EngineCore(graph, self.embedding, self.tokenizer, self.eos_token_ids,
                                constraints=self._constraints or ConstraintFactory(graph.vocab_size),
                                capacity=self.capacity, request_timeout_s=self.request_timeout_s, lock=self._cond,
-                               watch=self._watch, vision=vision, prefix_reuse=self._prefix_reuse)
+                               watch=self._watch, vision=vision, prefix_reuse=self._prefix_reuse,
+                               policy=self._policy, workers=self._workers)
         self._loaded = True
         self._settled.set()
         log.info("graph ready: %s, max_total=%d, buckets=%s, %d at once (%d KV slots, decode batches %s)", graph.name,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,9 @@ class Runner:
                  vision: VisionEncoder | None = None) -> None:
         self.graph = graph
         self.embedding = embedding
-        self.vision = vision  # encodes a prompt's images, on this (the device) thread, right before their chunk
+        # Encodes a prompt's images: a host encoder on a host worker once the sequence is admitted (its future in
+        # `Sequence.encoded`), a device one on this (the device) thread right before the image's chunk.
+        self.vision = vision
         self._lock = lock
         self.watch = watch
         self._positions = [torch.tensor([[p]]) for p in range(graph.max_total)]  # [1, 1] each: the one-row fast path
@@ -73,16 +76,29 @@ class Runner:
         images = [image for image in seq.handle.request.images if begin <= image.offset < end]
         blocks: dict[str, torch.Tensor] = {}
         if images:
-            embeds, blocks["block_ids"] = self._splice(embeds, begin, end, images)
+            embeds, blocks["block_ids"] = self._splice(embeds, begin, end, images, seq.encoded)
         logits = self._call((seq,), lambda submit: self.graph.prefill(embeds, positions, kv.index, last_only=last_only,
                                                                       on_submit=submit, **blocks), publish=on_submit)
         kv.tokens.extend(seq.prompt_keys[begin:end])  # a prefill chunk is always of the prompt
         return logits
 
-    def _splice(self, embeds: torch.Tensor, begin: int, end: int,
-                images: Sequence[ImageInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        """One image's soft tokens [N, H] (any thread: a host encoder runs on a worker)."""
+        if self.vision is None:
+            raise RuntimeError("a prompt with images reached an engine without a vision encoder")
+        pixels = torch.from_numpy(image.pixel_values).unsqueeze(0)  # [1, P, D]
+        patches = torch.from_numpy(image.position_ids).unsqueeze(0)  # [1, P, 2]
+        soft = self.vision.encode(pixels, patches, image.budget)  # [N, H]
+        if soft.shape[0] != image.soft_tokens:
+            raise RuntimeError(f"the vision encoder gave {soft.shape[0]} soft tokens for an image the processor "
+                               f"counted {image.soft_tokens}")
+        return soft
+
+    def _splice(self, embeds: torch.Tensor, begin: int, end: int, images: Sequence[ImageInput],
+                encodes: Mapping[int, Future[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The images' soft tokens written over their placeholder rows of `embeds` [1, T, H], and the chunk's block ids
-        [1, T] (0 on text, image i of the chunk: i + 1), as server.graphs.base's image-block contract says."""
+        [1, T] (0 on text, image i of the chunk: i + 1), as server.graphs.base's image-block contract says. An image
+        a worker encoded (`encodes`, by offset: done, the sequence was ready) is taken from there."""
         if self.vision is None:
             raise RuntimeError("a prompt with images reached an engine without a vision encoder")
         embeds = embeds.clone()
@@ -90,12 +106,8 @@ class Runner:
         for number, image in enumerate(images, start=1):
             first, last = image.span
             assert last <= end, "an image block straddles two prefill chunks (the plan keeps them whole)"
-            pixels = torch.from_numpy(image.pixel_values).unsqueeze(0)  # [1, P, D]
-            patches = torch.from_numpy(image.position_ids).unsqueeze(0)  # [1, P, 2]
-            soft = self.vision.encode(pixels, patches, image.budget)  # [N, H]
-            if soft.shape[0] != image.soft_tokens:
-                raise RuntimeError(f"the vision encoder gave {soft.shape[0]} soft tokens for an image the processor "
-                                   f"counted {image.soft_tokens}")
+            encoded = encodes.get(image.offset)
+            soft = encoded.result() if encoded is not None else self.encode(image)  # [N, H]
             embeds[0, first - begin : last - begin] = soft.to(embeds.dtype)
             block_ids[0, first - begin : last - begin] = number
         return embeds, block_ids
@@ -117,6 +129,11 @@ class Runner:
         for kv, token in zip(kvs, tokens, strict=True):
             kv.tokens.append(token)  # type: ignore[union-attr]
         return logits
+
+    def copy_slot(self, src: Seq, dst: Seq) -> None:
+        """dst's slot takes a copy of src's KV (n > 1: a prompt prefilled once). Not a step: no row decodes in it."""
+        assert src.kv is not None and dst.kv is not None
+        self.graph.copy_slot(src.kv.index, dst.kv.index)
 
     def _call(self, rows: tuple[Seq, ...] | Sequence[Seq], call: Callable[[Callable[[], None]], torch.Tensor],
               publish: Callable[[], None] | None = None) -> torch.Tensor:

@@ -7,11 +7,16 @@ prefill chunk of a newcomer, or one decode step over every sequence that has its
   (first come, first served); here, where.
 - What runs next is the policy's (`Policy`, swappable): it is handed the ready prefilling sequences (admitted, their
   host work done, chunks left) and the decoding ones, both in admission order, and returns the step.
-  `Alternate`, the first policy: a prefill chunk, then a decode step, then the next chunk, while both kinds of work
-  wait. A running stream therefore never waits longer than one chunk plus one step between two tokens, however long
-  the prompt that arrived beside it, and a newcomer's first token comes after its own prefill and at most the step
-  that ran when it arrived plus one decode step. Prompts are prefilled in arrival order, chunk by chunk.
+  `TokenBudget`, the default (vLLM's token budget, over a contract of one prompt's chunk per call): between two decode
+  steps at most `budget` prefill tokens run (default: one chunk), so a running stream never waits longer than one
+  chunk plus one step between two tokens; the chunk goes to the prompt with the fewest tokens left (a 16-token probe
+  beside an 8k prompt is done after its one chunk), and a prompt passed over `patience` times gets the next chunk,
+  so a long prompt is never starved (docs/concurrency.md argues the choice).
+  `Alternate`, the first policy, stays for comparison: chunk and decode step in turn, prompts first come, first served.
 - A decode step takes every decoding sequence; the graph runs the smallest compiled batch that holds them.
+- n > 1 side by side (`add_copy`): a choice admitted while the choice before it still has its prompt's chunks to run
+  takes a slot of its own and no chunks; once that prompt is prefilled the engine copies its slot into the choice's
+  (`Graph.copy_slot`). A source that ends first hands its prompt to its first waiting choice, which then prefills it.
 - Prefill is planned once, when the sequence is admitted (server.engine.buckets). An image's soft tokens are in one
   chunk: the plan never splits them, and a cached prefix that would end inside an image is cut back to its start.
 A one-slot graph has capacity 1: one sequence prefills, then decodes, as it always did.
@@ -82,6 +87,47 @@ class Alternate:
         return DecodeStep(tuple(decoding)) if decoding else None
 
 
+class TokenBudget:
+    """Decode steps keep their cadence; between two of them at most `budget` prefill tokens (0: one chunk, whatever
+    its size), given to the ready prompt with the fewest tokens left; one passed over `patience` chunks in a row goes
+    first (the oldest such), so every prompt gets at least one chunk in `patience` + 1. Deterministic: the choice is a
+    function of the sequences' plans, their admission order and the chunks this policy handed out."""
+
+    def __init__(self, budget: int = 0, patience: int = 16) -> None:
+        self.budget = budget
+        self.patience = patience
+        self._spent = 0  # prefill tokens since the last decode step
+        self._passed: dict[Sequence, int] = {}  # chunks given to others since a prompt's own last one
+
+    def next_step(self, prefilling: Seq[Sequence], decoding: Seq[Sequence]) -> Step | None:
+        self._passed = {seq: self._passed.get(seq, 0) for seq in prefilling}  # those that left are forgotten
+        if not prefilling:
+            self._spent = 0
+            return DecodeStep(tuple(decoding)) if decoding else None
+        seq = self.choose(prefilling)
+        begin, end = seq.chunks[0]
+        if decoding and self._spent and self._spent + (end - begin) > self.budget:
+            self._spent = 0  # the round is full: the running streams' step
+            return DecodeStep(tuple(decoding))
+        self._spent = self._spent + (end - begin) if decoding else 0
+        for other in prefilling:
+            self._passed[other] = 0 if other is seq else self._passed[other] + 1
+        return PrefillStep.next_of(seq)
+
+    def choose(self, prefilling: Seq[Sequence]) -> Sequence:
+        """Who gets the next chunk: the oldest prompt passed over `patience` times, else the fewest tokens left (the
+        earliest admitted among equals)."""
+        aged = [seq for seq in prefilling if self._passed.get(seq, 0) >= self.patience]
+        if aged:
+            return aged[0]
+        return min(prefilling, key=remaining)  # min keeps the first of equals: admission order
+
+
+def remaining(seq: Sequence) -> int:
+    """Prompt tokens `seq` has still to prefill."""
+    return seq.chunks[-1][1] - seq.chunks[0][0] if seq.chunks else 0
+
+
 class Scheduler:
     """The sequences holding a KV slot (`active`, in admission order) and the next step, as the policy picks it."""
 
@@ -91,7 +137,7 @@ class Scheduler:
         self.slots = slots
         self.capacity = capacity  # sequences at once
         self.prefix_reuse = prefix_reuse
-        self.policy: Policy = policy or Alternate()
+        self.policy: Policy = policy or TokenBudget()
         self.active: list[Sequence] = []
 
     @property
@@ -111,22 +157,51 @@ class Scheduler:
     def decoding(self) -> list[Sequence]:
         return [seq for seq in self.active if seq.state is State.DECODING]
 
+    @property
+    def copying(self) -> list[Sequence]:
+        """Admitted choices waiting for another's prompt to be prefilled, to copy its slot (n > 1)."""
+        return [seq for seq in self.active if seq.source is not None]
+
+    def copies_of(self, source: Sequence) -> list[Sequence]:
+        return [seq for seq in self.active if seq.source is source]
+
     def add(self, seq: Sequence) -> torch.Tensor | None:
         """Admit `seq` into a free slot: what the slot holds of its prompt is kept, the rest planned into chunks.
         Returns the kept logits [1, 1, V] when the whole prompt is cached with them (it decodes at once)."""
         assert self.has_room, "admitted beyond the free slots"
-        prompt = seq.prompt_keys
         # A request for the prompt's logprobs prefills all of it: the cache keeps KV, not the logits they come from.
+        seq.kv = self.slots.choose(seq.prompt_keys, self.prefix_reuse and seq.prompt_logprobs is None)
+        self.active.append(seq)
+        return self._plan(seq)
+
+    def add_copy(self, seq: Sequence, source: Sequence) -> None:
+        """Admit `seq`, a choice of `source`'s prompt (source still has chunks to run), into a free slot that takes a
+        copy of source's once that prompt is prefilled (`copied`): no chunks of its own."""
+        assert self.has_room, "admitted beyond the free slots"
+        kv = self.slots.choose(seq.prompt_keys, prefix_reuse=False)  # its KV is replaced: the cheapest to lose
+        kv.rewind_to(0)
+        seq.kv, seq.source = kv, source
+        self.active.append(seq)
+
+    def copied(self, seq: Sequence) -> None:
+        """`seq`'s slot now holds its source's prompt (the graph copied it): it reused all of it."""
+        source = seq.source
+        assert seq.kv is not None and source is not None and source.kv is not None
+        seq.kv.tokens = list(source.kv.tokens)
+        seq.source, seq.reused_tokens = None, seq.num_prompt_tokens
+
+    def _plan(self, seq: Sequence) -> torch.Tensor | None:
+        """What `seq`'s slot keeps of its prompt, the rest planned into chunks; the kept logits (as `add`)."""
+        kv, prompt = seq.kv, seq.prompt_keys
+        assert kv is not None
         reuse = self.prefix_reuse and seq.prompt_logprobs is None
-        kv = self.slots.choose(prompt, reuse)
         start, kept = kv.reuse(prompt, reuse)
         blocks = seq.image_blocks
         inside = next((begin for begin, end in blocks if begin < start < end), None)
         if inside is not None:  # the graph can continue only mid-image (a rewind): the whole image again
             start, kept = kv.rewind_to(inside), None
-        seq.kv, seq.reused_tokens = kv, start
+        seq.reused_tokens = start
         seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets, blocks))
-        self.active.append(seq)
         return kept
 
     def schedule(self) -> Step | None:
@@ -144,3 +219,10 @@ class Scheduler:
         seq.chunks.clear()
         if seq.kv is not None:
             self.slots.release(seq.kv)
+        orphans = self.copies_of(seq)
+        if orphans:  # its prompt never reached the cache: the first choice waiting for it prefills it for the rest
+            lead, *rest = orphans
+            lead.source = None
+            self._plan(lead)
+            for choice in rest:
+                choice.source = lead

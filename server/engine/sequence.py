@@ -18,17 +18,21 @@ import enum
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.engine.types import Delta, Finish, RequestHandle, TokenLogprob, prompt_keys
 
 if TYPE_CHECKING:  # only their types: this module imports no torch (its parts are built by the engine)
+    import torch
+
     from server.engine.kv import KVSlot
     from server.model.detok import IncrementalDetokenizer, StopMatcher
     from server.sampling.params import TokenConstraint
     from server.sampling.sampler import Sampler, SampleResult
 
 log = logging.getLogger(__name__)
+
+SCORING_AHEAD = 2  # scored chunks of one prompt awaiting their worker before its next chunk waits (Sequence.ready)
 
 
 def finish_event(handle: RequestHandle, reason: str, prompt_tokens: int, completion_tokens: int, *,
@@ -55,7 +59,7 @@ class Sequence:
     __slots__ = ("handle", "state", "after", "preparing", "token_ids", "prompt_keys", "num_prompt_tokens", "sampler",
                  "constraint", "budget", "deadline", "generated", "ttft_s", "reused_tokens", "prefill_calls",
                  "graph_calls", "device_s", "pending", "reason", "error", "grammar_done", "kv", "chunks",
-                 "prompt_logprobs", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+                 "source", "prompt_logprobs", "encoded", "scoring", "held_logits", "_detok", "_stops", "_eos_ids", "_ignore_eos")
 
     # Built by `start` once the sequence is admitted (the engine's parts for one run of the request).
     sampler: Sampler
@@ -71,7 +75,12 @@ class Sequence:
         self.after = after  # a choice of the same prompt admitted only once this one ended: it finds the prompt cached
         # Host work that must finish before the first graph call (an image encode, a restored prefix): the scheduler
         # skips the sequence until every future is done; one that failed ends it with its error.
-        self.preparing: list[Future[None]] = []
+        self.preparing: list[Future[Any]] = []
+        self.encoded: dict[int, Future[torch.Tensor]] = {}  # an image's soft tokens [N, H] by its offset, from a worker
+        # Each scored chunk's prompt logprobs, in prompt order, from a worker (server.engine.core); the last chunk's
+        # logits [1, 1, V] wait in `held_logits` until all are in: the PromptLogprobs event precedes the first token.
+        self.scoring: list[Future[list[TokenLogprob]]] = []
+        self.held_logits: torch.Tensor | None = None
         self.token_ids = list(request.prompt_ids)  # the prompt, then each generated token
         self.num_prompt_tokens = len(self.token_ids)
         # What the KV cache holds at each prompt position: token ids, and at an image's soft tokens its content key
@@ -87,6 +96,8 @@ class Sequence:
         self.device_s = 0.0  # time inside those calls
         self.kv: KVSlot | None = None  # its slot while it runs (the scheduler's)
         self.chunks: collections.deque[tuple[int, int]] = collections.deque()  # prompt spans still to prefill
+        # n > 1: the choice of the same prompt whose slot this one copies once that prompt is prefilled (the scheduler's)
+        self.source: Sequence | None = None
         self.pending: Delta | None = None  # the last token's Delta, out when the next graph call submits
         self.reason: str | None = None  # set once the sequence ends: stop | length | timeout | cancelled | error
         self.error: str | None = None
@@ -103,8 +114,24 @@ class Sequence:
 
     @property
     def ready(self) -> bool:
-        """Its host work is done: the scheduler may give it graph calls."""
-        return all(work.done() for work in self.preparing)
+        """Its host work is done: the scheduler may give it graph calls. A scored prompt also waits while SCORING_AHEAD
+        of its chunks are still being scored: each holds its [T, V] logits, and host memory is the budget."""
+        return (all(work.done() for work in self.preparing)
+                and sum(not work.done() for work in self.scoring) < SCORING_AHEAD)
+
+    @property
+    def host_failure(self) -> BaseException | None:
+        """The error of a piece of its host work that failed (None: none did, so far)."""
+        for work in (*self.preparing, *self.scoring):
+            if work.done() and not work.cancelled() and (error := work.exception()) is not None:
+                return error
+        return None
+
+    def drop_host_work(self) -> None:
+        """It ended: host work not started yet never starts (a worker is not held up by a request nobody waits for)."""
+        for work in (*self.preparing, *self.scoring):
+            work.cancel()
+        self.held_logits = None
 
     @property
     def finished(self) -> bool:

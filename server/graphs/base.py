@@ -3,11 +3,16 @@
     prefill(embeds [1, T, H], positions [1, T], slot, *, last_only, block_ids) -> logits [1, T, V] ([1, 1, V] last_only)
     decode(embeds [B, 1, H], positions [B, 1], slots [B])                      -> logits [B, V]
     rewind_slot(slot, position) -> int
+    copy_slot(src, dst)                                                        # when copies_slots
 
 `slots` independent KV caches; a decode call takes several rows, each in its own slot at its own position, and runs the
 smallest compiled batch that holds them. The KV cache lives with the graph; slot = absolute position. The engine says
 "positions >= n are stale" with `rewind_slot(slot, n)`; the graph answers from which position that slot can really
 continue (a sliding-window ring cannot go back once it has wrapped).
+
+`copy_slot(src, dst)` makes slot dst hold what slot src holds (n > 1: a prompt prefilled once, its choices decoded side
+by side). `copies_slots` says whether the graph can: a one-slot graph cannot, nor can a Neuron build without a copy
+graph (docs/contract-v3.md); the engine then runs the choices one after another, as before.
 
 A graph of one KV cache (v1, v2, the null graph, a test's stand-in) is the same protocol with one slot: `OneSlotGraph`
 supplies the three calls over its own `forward` / `rewind`.
@@ -40,6 +45,7 @@ class Graph(Protocol):
     slots: int  # independent KV caches
     decode_batches: tuple[int, ...]  # rows one decode call takes, ascending (a call of B rows runs the smallest >= B)
     image_blocks: bool  # prefill takes `block_ids` naming images (VisionEncoder below); else only all-text ids
+    copies_slots: bool  # copy_slot works
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,6 +62,11 @@ class Graph(Protocol):
         """Forget `slot`'s positions >= position; return where its next call must start (<= position)."""
         ...
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot `dst` holds exactly what slot `src` holds (its own KV forgotten): its next call continues where src's
+        would. Only when `copies_slots`."""
+        ...
+
 
 class OneSlotGraph:
     """The base of a graph with one KV cache: slot 0, a decode batch of one row. Subclasses supply `forward` (a chunk
@@ -64,6 +75,7 @@ class OneSlotGraph:
     slots = 1
     decode_batches: tuple[int, ...] = (1,)
     image_blocks = False
+    copies_slots = False
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,6 +103,9 @@ class OneSlotGraph:
         checked_slots([slot], 1)
         return self.rewind(position)
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        checked_slots([src, dst], 1)  # always refused: one slot has no other to copy into
+
 
 class VisionEncoder(Protocol):
     """An image's soft tokens (issue 27), whatever runs the tower: a traced device graph (the recipe's `--vision`) or
@@ -105,6 +120,9 @@ class VisionEncoder(Protocol):
     call (the engine plans chunks so); decode steps never hold image tokens."""
 
     budgets: tuple[int, ...]  # the soft-token budgets (max_soft_tokens: 70, 140, 280, ...) it encodes, ascending
+    # True: torch on the host (the engine encodes on a host worker, off the device thread); False: a device graph
+    # (encoded on the device thread, right before the image's chunk)
+    on_host: bool
 
     def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """pixel_values [1, P, D] f32 (P = budget * pooling_kernel_size**2 patch rows, padded), position_ids

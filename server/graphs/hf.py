@@ -19,6 +19,7 @@ reads them by position, so a later chunk still sees which earlier positions were
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class HFGraph:
         self.vocab_size = int(config.vocab_size)
         self.host_softcap = None  # transformers applies the final soft-cap itself
         self.image_blocks = True  # block_ids get transformers' own Gemma-4 masks (the module docs)
+        self.copies_slots = True
         self.slots = slots
         self.decode_batches = tuple(range(1, slots + 1))  # any number of rows: they run one after another
         self.caches = [StaticCache(config=self.model.config, max_cache_len=spec.max_total) for _ in range(slots)]
@@ -129,3 +131,12 @@ class HFGraph:
                 layer.crop(-(written - position))  # negative: drop that many of the newest slots
         self.positions[slot] = position
         return position
+
+    @torch.inference_mode()  # the cache tensors are inference tensors: only inference mode may copy them
+    def copy_slot(self, src: int, dst: int) -> None:
+        checked_slots([src, dst], self.slots)
+        # A whole copy of transformers' cache object: its layers initialise lazily and the sliding kind keeps counters
+        # beside the tensors, so copying tensors alone would miss state.
+        self.caches[dst] = copy.deepcopy(self.caches[src])
+        self.positions[dst] = self.positions[src]
+        self.groups[dst].copy_(self.groups[src])

@@ -16,6 +16,12 @@ land in slots no real query has seen yet, and later decode steps overwrite them 
 Contract v2 (`JitGraphV2`) takes embeds and positions only; contract v3 (`JitGraphV3`) adds slot ids and decode
 graphs over several rows. All three answer graphs/base.py's `Graph`; v1 and v2 as one-slot graphs.
 
+Last-row builds (graph.json `prefill_logits: "last"`, issue 34): a v2/v3 prefill graph takes `last_index [1]` int64
+after its other inputs (the chunk's last real row; pads follow it) and returns that row's logits [1, 1, V], so a chunk
+costs one row of norm + lm_head, not [T, V]. A scored prompt (`last_only=False`) runs the score graph instead (no
+last_index, every row), compiled at the smallest bucket (`score_buckets`): a longer chunk goes through it in pieces of
+that size, one call each, in order (the KV they write is the chunk's). Builds without the record run as before.
+
 Image blocks (a `--vision` build, graph.json `block_ids`): v2's and v3's prefill graphs take `block_ids [1, T]` int64
 last (0 = text, one id > 0 per image; graphs/base.py `VisionEncoder`), padded here with 0 like the chunk; decode takes
 none. `image_blocks` says whether a graph has that input; one without it refuses block ids that name an image (it
@@ -123,6 +129,9 @@ class _CompiledGraph:
         self._bucket_for = {t: next(b for b in spec.buckets if b >= t) for t in range(2, self.prefill_bucket + 1)}
         self._bucket_for[1] = 1
         self.image_blocks = spec.block_ids  # the prefill graphs take block_ids (the module docs)
+        self.last_rows = spec.last_logits  # prefill graphs take last_index and return one row (the module docs)
+        self.score_bucket = max(spec.score_buckets) if spec.score_buckets else 0
+        self._last_index = [torch.tensor([i], dtype=torch.int64) for i in range(self.prefill_bucket)]  # [1] each
 
     def _block_inputs(self, block_ids: torch.Tensor | None, t: int, bucket: int) -> tuple[torch.Tensor, ...]:
         """The prefill's block_ids input for a chunk of t tokens run at `bucket` (1: decode, which takes none):
@@ -156,6 +165,28 @@ class _CompiledGraph:
     def _contract_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def _scored(self, embeds: torch.Tensor, positions: torch.Tensor, block_ids: torch.Tensor | None,
+                on_submit: Callable[[], None] | None,
+                rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Callable[[], None] | None],
+                               torch.Tensor]) -> torch.Tensor:
+        """Every row's logits [1, T, V] of a last-row build's chunk: `rows` (one call returning every row) over
+        pieces of the score bucket, in order; `on_submit` before the first. An image block must stay in one call."""
+        t, size = embeds.shape[1], self.score_bucket
+        if block_ids is not None and t > size and bool((block_ids != 0).any()):
+            raise ValueError(f"a scored chunk of {t} tokens with an image block: this graph scores {size} rows a call "
+                             "and an image block must be prefilled in one call")
+        pieces = []
+        for begin in range(0, t, size):
+            end = min(t, begin + size)
+            piece_blocks = None if block_ids is None else block_ids[:, begin:end]
+            pieces.append(rows(embeds[:, begin:end], positions[:, begin:end], piece_blocks,
+                               on_submit if begin == 0 else None))  # [1, piece, V]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [1, T, V]
+
+    def _last_input(self, t: int, bucket: int, last_only: bool) -> tuple[torch.Tensor, ...]:
+        """A last-row prefill graph's last_index [1] (the chunk's last real row); () for other graphs."""
+        return (self._last_index[t - 1],) if self.last_rows and last_only and bucket != 1 else ()
+
     def _pad_chunk(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk of T tokens padded to the smallest graph that holds it (pad positions continue past the last)."""
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T]
@@ -176,13 +207,25 @@ class _CompiledGraph:
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T], block_ids [1, T] or None
-        blocks = self._block_inputs(block_ids, t, self._bucket_for[t])
+        if self.last_rows and not last_only and t > 1:
+            # a one-token piece runs on the decode graph, whose one row is every row
+            return self._scored(embeds, positions, block_ids, on_submit,
+                                lambda e, p, b, submit: self._rows(e, p, b, submit, last_only=False))
+        return self._rows(embeds, positions, block_ids, on_submit, last_only=last_only)
+
+    def _rows(self, embeds: torch.Tensor, positions: torch.Tensor, block_ids: torch.Tensor | None,
+              on_submit: Callable[[], None] | None, *, last_only: bool) -> torch.Tensor:
+        """One call of the graph that holds the chunk: its logits [1, T, V], or [1, 1, V] of the last row."""
+        t = embeds.shape[1]
+        bucket = self._bucket_for[t]
+        blocks = self._block_inputs(block_ids, t, bucket)
+        last = self._last_input(t, bucket, last_only)
         embeds, positions = self._pad_chunk(embeds, positions)
         inputs = self._contract_inputs(positions)
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
         if on_submit is not None:
             on_submit()
-        logits = self._logits(self.module(embeds, positions, *inputs, *blocks))  # [1, T', V]
+        logits = self._logits(self.module(embeds, positions, *inputs, *blocks, *last))  # [1, T', V] or [1, 1, V]
         if logits.shape[1] != 1:  # decode answers [1, 1, V] already: no slicing call on the critical path
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()
@@ -236,6 +279,9 @@ class JitGraphV2(_CompiledGraph, OneSlotGraph):
         return position if keeps else 0
 
 
+KV_STATES = ("k_cache", "v_cache", "k_scale", "v_scale")  # the recipe's per-layer KV buffers (SlotRingCache)
+
+
 def ring_keeps(position: int, written: int, window: int | None, ring: int | None) -> bool:
     """Whether a ring cache written up to `written` still holds what a query at `position` reads (JitGraphV2.rewind)."""
     return position > 0 and (ring is None or window is None or position - window + 1 > written - ring)
@@ -266,22 +312,40 @@ class JitGraphV3(_CompiledGraph):
         self._batch_for = decode_batch_for(spec.decode_batches)
         self._slot_written = [-1] * spec.kv_slots  # per slot: highest position written (pads included)
         self._slot_ids = [torch.tensor([s]) for s in range(spec.kv_slots)]  # [1] int64 each, made once
+        # The CPU trace keeps each layer's K and V (and int8 scales) as module buffers [S, kvh, R, D]: a slot's copy is
+        # one indexed copy per buffer. A Neuron build keeps them on the device, where a copy needs a graph of its own
+        # that the recipe does not build yet (docs/contract-v3.md): there the engine runs n > 1 one choice at a time.
+        self._kv_states = [] if neuron_model(self.module) is not None else [
+            buf for name, buf in self.module.named_buffers() if name.endswith(KV_STATES)]
+        self.copies_slots = bool(self._kv_states)
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         t = embeds.shape[1]  # embeds [1, T, H], positions [1, T], block_ids [1, T] or None
-        blocks = self._block_inputs(block_ids, t, self._bucket_for[t])
+        if self.last_rows and not last_only and t > 1:  # a scored chunk: the score graph, a piece at a time
+            return self._scored(embeds, positions, block_ids, on_submit,
+                                lambda e, p, b, submit: self._prefill_rows(e, p, slot, b, submit, last_only=False))
+        return self._prefill_rows(embeds, positions, slot, block_ids, on_submit, last_only=last_only)
+
+    def _prefill_rows(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, block_ids: torch.Tensor | None,
+                      on_submit: Callable[[], None] | None, *, last_only: bool) -> torch.Tensor:
+        """One call into `slot`: the chunk's logits [1, T, V], or [1, 1, V] of its last row."""
+        t = embeds.shape[1]
+        bucket = self._bucket_for[t]
+        blocks = self._block_inputs(block_ids, t, bucket)
         if t == 1:  # one token runs on the decode graph (no bucket of 1); a one-token block sees itself alone
             return self.decode(embeds, positions, [slot], on_submit=on_submit)[:, None]  # [1, 1, V]
         checked_slots([slot], self.slots)
         tables = self._tables([slot], [int(positions[0, -1]) + 1])  # v4: the slot's blocks (reserved first)
+        last = self._last_input(t, bucket, last_only)
         embeds, positions = self._pad_chunk(embeds, positions)  # [1, bucket, H], [1, bucket]
         self._slot_written[slot] = max(self._slot_written[slot], int(positions[0, -1]))  # before: a failed call wrote
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
         if on_submit is not None:
             on_submit()
-        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot], *tables, *blocks))  # [1, bucket, V]
-        logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot], *tables, *blocks, *last))
+        if logits.shape[1] != 1:  # a last-row graph answers [1, 1, V] already
+            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int] | torch.Tensor, *,
@@ -328,6 +392,15 @@ class JitGraphV3(_CompiledGraph):
             self._slot_written[slot] = -1
         return position if keeps else 0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        checked_slots([src, dst], self.slots)
+        if not self.copies_slots:
+            raise NotImplementedError("this build keeps its KV on the device and has no slot-copy graph")
+        with torch.no_grad():
+            for state in self._kv_states:  # [S, kvh, R, D]
+                state[dst].copy_(state[src])
+        self._slot_written[dst] = self._slot_written[src]
+
     # Slot 0 as a one-slot graph's calls (what tests of one conversation drive).
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -353,6 +426,9 @@ class JitGraphV4(JitGraphV3):
                  start_rank: int = 0) -> None:
         super().__init__(path, spec, vocab_size=vocab_size, final_softcap=final_softcap, start_rank=start_rank)
         self.pool = KVBlocks(spec.kv_blocks, spec.block_size, spec.context_buckets)
+        # n > 1: v3's copy_slot copies the per-slot states, which here would leave the global layers' blocks behind;
+        # until a copy lends and fills the destination's blocks, a v4 build's choices wait (as without a copy graph).
+        self.copies_slots = False
 
     def _tables(self, ids: list[int], ends: list[int]) -> tuple[torch.Tensor, ...]:
         for slot, end in zip(ids, ends, strict=False):  # the real rows (spare rows follow them in `ids`)

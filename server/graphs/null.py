@@ -45,6 +45,7 @@ ROOFLINE_S_PER_POSITION = 2 * 20480 / (0.1861 * 820 * 2**30)
 class NullGraph:
     name = "null"
     image_blocks = False
+    copies_slots = True  # it holds no KV: a copy is a check of the slots
 
     def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
                  input_dtype: torch.dtype = torch.float32, host_softcap: float | None = None,
@@ -135,3 +136,9 @@ class NullGraph:
     def free_tokens(self) -> int | None:
         """Positions a modelled v4 pool could still lend (None: no pool, KV by slot)."""
         return None if self.pool is None else len(self.pool.free) * self.pool.block_size
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        checked_slots([src, dst], self.slots)
+        if self.pool is not None:  # a modelled v4 pool: dst holds as many blocks as src (its own, lent now)
+            self.pool.release(dst)
+            self.pool.reserve(dst, len(self.pool.rows.get(src, ())) * self.pool.block_size)

@@ -31,6 +31,7 @@ class VisionGraph:
     """`VisionEncoder` (graphs/base.py) over the traced tower."""
 
     name = "jit-vision"
+    on_host = False  # a device graph: the device thread calls it
 
     def __init__(self, root: Path | str, vision: VisionSpec, input_dtype: torch.dtype, start_rank: int = 0) -> None:
         from server.model.weights import open_rank_weights

@@ -34,6 +34,10 @@ GRAPH_FILES = ("sqz_neff.pt", "model.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 VISION_FILE = "vision.safetensors"  # the host encoder's weights: vision_tower.* and embed_vision.* (issue 27)
 PREPROCESSOR_FILE = "preprocessor_config.json"  # in cfg/: the image processor's settings
+# ... or, as transformers 5's processors save them (Gemma4Processor.save_pretrained writes only this), the
+# `image_processor` entry of processor_config.json
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_FILES = (PREPROCESSOR_FILE, PROCESSOR_FILE)
 CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write slots and masks
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
 CONTRACT_V3 = "gemma4-optb/v3"  # v2 with S KV slots (slot ids in) and decode graphs over several rows
@@ -122,6 +126,11 @@ class GraphSpec:
     kv_blocks: int = 0  # v4: blocks in the global layers' pool (block 0 the null block)
     block_size: int = 0  # v4: positions per block
     context_buckets: tuple[int, ...] = ()  # v4: contexts a graph is compiled for (tokens per row's table)
+    # v2/v3 last-row builds (issue 34, graph.json `prefill_logits: "last"`): the prefill graphs take last_index [1]
+    # and return that row's logits [1, 1, V]; the score graphs (`score_buckets`) return every row. Absent, as in
+    # every graph.json written before them: every prefill graph returns every row.
+    last_logits: bool = False
+    score_buckets: tuple[int, ...] = ()
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -178,6 +187,8 @@ class GraphSpec:
             block_size=int(data.get("block_size", 0)) if contract == CONTRACT_V4 else 0,
             context_buckets=tuple(sorted({int(c) for c in data.get("context_buckets") or ()}))
             if contract == CONTRACT_V4 else (),
+            last_logits=data.get("prefill_logits", "all") == "last",
+            score_buckets=tuple(sorted({int(b) for b in data.get("score_buckets") or ()})),
         )
         if spec.max_total < 2 or not 1 <= min(spec.buckets) <= spec.prefill_bucket <= spec.max_total:
             raise ValueError(f"need 1 <= prefill buckets <= max_total, got {spec.buckets}, {spec.max_total}")
@@ -194,6 +205,11 @@ class GraphSpec:
                         or max(spec.context_buckets) != spec.max_total):
             raise ValueError("a v4 graph records kv_blocks >= 2, block_size and context_buckets (multiples of it, "
                              f"the largest max_total), got {spec.kv_blocks}, {spec.block_size}, {spec.context_buckets}")
+        if data.get("prefill_logits", "all") not in ("all", "last"):
+            raise ValueError(f"prefill_logits must be 'all' or 'last', got {data.get('prefill_logits')!r}")
+        if spec.last_logits and (not (spec.v2 or spec.v3) or spec.score_buckets != (min(spec.buckets),)):
+            raise ValueError("a v2/v3 graph with prefill_logits 'last' records its score graph at the smallest prefill "
+                             f"bucket (score_buckets [{min(spec.buckets)}]), got {list(spec.score_buckets)}")
         if spec.slotted and not 1 <= min(spec.decode_batches) <= max(spec.decode_batches) <= spec.kv_slots:
             raise ValueError(f"need 1 <= decode batches <= kv_slots, got {spec.decode_batches}, {spec.kv_slots}")
         return spec
@@ -220,6 +236,8 @@ class GraphSpec:
                           ring_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
                           weight_files=list(self.weight_files), kv_slots=self.kv_slots,
                           decode_batches=list(self.decode_batches))
+        if self.last_logits:
+            record.update(prefill_logits="last", score_buckets=list(self.score_buckets))
         if self.block_ids:
             record["block_ids"] = {"graphs": "prefill"}
         if self.vision is not None:
@@ -383,3 +401,16 @@ def _check_embedding(path: Path, config: dict[str, Any] | None) -> str | None:
         if vocab and hidden and tuple(table.shape) != (vocab, hidden):
             return f"{path}: shape {tuple(table.shape)} does not match the config's [vocab, hidden] = [{vocab}, {hidden}]"
     return None
+
+
+def image_processor_file(directory: Path) -> Path | None:
+    """The file in `directory` holding the image processor's settings: preprocessor_config.json, else a
+    processor_config.json with an `image_processor` entry (what transformers 5 saves); None when neither is there."""
+    old, new = directory / PREPROCESSOR_FILE, directory / PROCESSOR_FILE
+    if old.is_file():
+        return old
+    try:
+        saved = json.loads(new.read_text(encoding="utf-8")) if new.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return new if isinstance(saved, dict) and isinstance(saved.get("image_processor"), dict) else None

@@ -79,11 +79,13 @@ class ParsedDelta:
 
 @dataclass(frozen=True)
 class ParseEnd:
-    """`finish()`'s answer: the last delta, and whether any complete call was made (finish_reason "tool_calls",
-    unless the engine stopped for length: the caller keeps "length" then)."""
+    """`finish()`'s answer: the last delta, whether any complete call was made (finish_reason "tool_calls", unless
+    the engine stopped for length: the caller keeps "length" then), and whether a call was cut short (dropped: no
+    partial call and none of its syntax reaches the client; the finish reason says why the text ended)."""
 
     delta: ParsedDelta
     called_tools: bool
+    cut_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class ParsedMessage:
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     called_tools: bool = False
+    cut_call: bool = False
 
     def add(self, delta: ParsedDelta) -> None:
         self.content += delta.content
@@ -129,6 +132,7 @@ def collect(parser: OutputParser, *chunks: str) -> ParsedMessage:
     end = parser.finish()
     message.add(end.delta)
     message.called_tools = end.called_tools
+    message.cut_call = end.cut_call
     return message
 
 

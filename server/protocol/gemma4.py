@@ -15,8 +15,10 @@ thinking is off by default. The call grammar, for forced tool calls: gemma4_gram
 Response side (`Gemma4Parser`): fed the text decoded *with* special tokens, in chunks split anywhere. Deliberate
 choices (tests/test_protocol_gemma4.py pins each):
 - A tool call is held until it is complete and then emitted once, whole (index, id, name, the full JSON arguments):
-  a stream cut mid-call can therefore never have sent a partial call. At `finish()` a call cut short is returned as
-  content (never dropped), and `called_tools` counts complete calls only.
+  a stream cut mid-call can therefore never have sent a partial call. At `finish()` a call cut short (by max_tokens,
+  a stop, eos) is dropped and reported as `ParseEnd.cut_call`, never returned as text: its raw syntax
+  (`call:NAME{key:"...`) is protocol markup, and its arguments are not the model's (a city cut to "Pa"). The route's
+  finish reason says why it ended ("length"); `called_tools` counts complete calls only.
 - `<|"|>` never reaches the client: inside a call it is the string delimiter; anywhere else it is written as `"`.
 - Recovered, not dropped: a call without the `call:` prefix (`<|tool_call>NAME{...}<tool_call|>`), and a call
   without its opening `<|tool_call>` (`call:NAME{...}` in the text, closed by `<tool_call|>`, or followed by another
@@ -300,6 +302,7 @@ class Gemma4Parser(OutputParser):
         self._buf = ""
         self._mode = "content"  # content | header | reasoning | call
         self._calls = 0
+        self._cut = False  # a call was open when the text ended: dropped, never text
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._out_calls: list[ToolCallDelta] = []
@@ -311,7 +314,7 @@ class Gemma4Parser(OutputParser):
 
     def finish(self) -> ParseEnd:
         self._drain(final=True)
-        return ParseEnd(self._delta(), self._calls > 0)
+        return ParseEnd(self._delta(), self._calls > 0, cut_call=self._cut)
 
     # ------------------------------------------------------------- internals
 
@@ -392,7 +395,10 @@ class Gemma4Parser(OutputParser):
         end = None if match is None else _closing_brace(rest, match.end() - 1)
         if end is None:  # not (yet) a whole `call:NAME{...}`: held while it may still become one
             growing = len(rest) <= _MAX_CALL_CHARS if match else len(rest) <= 5 + 128 and _BARE_PREFIX.fullmatch(rest) is not None
-            if final or not growing:
+            if final and growing and self._may_call(rest[len("call:"):match.end() - 1] if match else
+                                                    rest[len("call:"):], whole=match is not None):
+                self._cut, self._buf = True, ""  # a call to a declared tool, cut short: the rest is all inside it
+            elif final or not growing:
                 self._emit_text("call:")
                 self._buf = rest[len("call:"):]
             return
@@ -409,6 +415,13 @@ class Gemma4Parser(OutputParser):
         else:
             self._emit_text("call:")
             self._buf = rest[len("call:"):]
+
+    def _may_call(self, name: str, *, whole: bool) -> bool:
+        """`name` (the whole name when `whole`, else what was written of it, no `{` yet) can be a call's: a declared
+        tool's; with none declared, any whole name (`call:me maybe` is no call: it has no `{`)."""
+        if not self._tool_names:
+            return whole
+        return name in self._tool_names if whole else any(tool.startswith(name) for tool in self._tool_names)
 
     def _drain_header(self, final: bool) -> None:
         newline, close = self._buf.find("\n"), self._buf.find(CHANNEL_CLOSE)
@@ -439,8 +452,10 @@ class Gemma4Parser(OutputParser):
             return
         self._mode = "content"
         parsed = parse_call(body, self._tool_names)
-        if parsed is None:
-            self._emit_text(body)  # not a call (or cut short): the text comes back as content
+        if parsed is None and final and close < 0 and reopen < 0:
+            self._cut = True  # the text ended inside the call: cut short, dropped (never its raw syntax as text)
+        elif parsed is None:
+            self._emit_text(body)  # a whole block that is no call (to a declared tool): the text comes back as content
         else:
             self._emit_call(*parsed)
 

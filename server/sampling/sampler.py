@@ -28,7 +28,17 @@ from typing import Any
 import torch
 
 from server.sampling.params import SamplingParams, TokenConstraint
-from server.sampling.primitives import argmax, argmax_rows, candidates, draw, raw_logprobs, topk
+from server.sampling.primitives import (
+    argmax,
+    argmax_rows,
+    candidates,
+    draw,
+    raw_logprobs,
+    small_top_k,
+    top_k_candidates,
+    topk,
+    topk_rows,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +133,11 @@ class Sampler:
                 and not banning)
 
     @property
+    def small_top_k(self) -> bool:
+        """Sampled from a small top-k (`primitives.small_top_k`): the rows `sample_rows` takes the top-k of together."""
+        return small_top_k(self.params, self.vocab_size)
+
+    @property
     def _constrained(self) -> bool:
         """The constraint has a mask to apply at this step (a free step's would allow every token)."""
         return self.constraint is not None and not self.constraint.free
@@ -184,6 +199,13 @@ class Sampler:
             c = candidates(x, params, softcap, self._scratch)
             token = draw(c, self.rng)
             best = c.ids
+        return self._result(x, softcap, token, best)
+
+    def _result(self, x: torch.Tensor, softcap: float | None, token: int,
+                best: torch.Tensor | list[int] | None) -> SampleResult:
+        """The token, with its logprobs when asked. x, softcap: the row it was chosen from (after steps 1-2 and
+        the mask) and the soft-cap still to apply to it; best: candidate ids best first, when known."""
+        params = self.params
         if not params.logprobs:
             return SampleResult(token, None)
 
@@ -205,16 +227,46 @@ class Sampler:
 
 def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[SampleResult]:
     """The next token of each row of logits [B, V] (raw, f32, not modified), row b by samplers[b]: each row exactly
-    what samplers[b].sample(logits[b]) gives, the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass."""
+    what samplers[b].sample(logits[b]) gives, token for token and RNG draw for RNG draw. Two kinds of rows are
+    served together: the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass, and the rows sampled from
+    a small top-k (`Sampler.small_top_k`, Gemma-4's default top_k 64) in one top-k pass per k (`_sample_top_k`).
+    The rest (top-k off, a large top-k) go row by row: their cost is full-vocabulary passes that batching would
+    not shrink."""
     if len(samplers) == 1:
         return [samplers[0].sample(logits[0])]
-    plain = [b for b, sampler in enumerate(samplers) if sampler.plain_greedy]
     results: list[SampleResult | None] = [None] * len(samplers)
+    plain = [b for b, sampler in enumerate(samplers) if sampler.plain_greedy]
     if len(plain) > 1:
         rows = logits if len(plain) == len(samplers) else logits[plain]  # [P, V]
         for b, token in zip(plain, argmax_rows(rows), strict=True):
             results[b] = SampleResult(token, None)
+    by_k: dict[int, list[int]] = {}
+    for b, sampler in enumerate(samplers):
+        if results[b] is None and sampler.small_top_k:
+            by_k.setdefault(sampler.params.top_k, []).append(b)
+    for k, group in by_k.items():
+        if len(group) > 1:
+            for b, result in zip(group, _sample_top_k([samplers[b] for b in group], logits, group, k), strict=True):
+                results[b] = result
     for b, sampler in enumerate(samplers):
         if results[b] is None:
             results[b] = sampler.sample(logits[b])  # [V]
     return results  # type: ignore[return-value]
+
+
+def _sample_top_k(samplers: Sequence[Sampler], logits: torch.Tensor, rows: Sequence[int], k: int) -> list[SampleResult]:
+    """`Sampler.sample` of logits[rows[i]] by samplers[i], all with top_k == k on the small-top-k route: steps 1-2 and
+    the mask per row (each into its own scratch row, as alone), one `topk_rows` over the prepared rows, then steps
+    5-9 and the logprobs per row with the row's own generator: the same operations on the same values as alone."""
+    prepared = [sampler.mask(sampler.adjust(logits[b])) for sampler, b in zip(samplers, rows, strict=True)]
+    untouched = all(x.data_ptr() == logits[b].data_ptr() for (x, _), b in zip(prepared, rows, strict=True))
+    if untouched and list(rows) == list(range(rows[0], rows[0] + len(rows))) and logits.is_contiguous():
+        stacked = logits[rows[0] : rows[-1] + 1]  # [R, V] a view: no copy
+    else:
+        stacked = torch.stack([x for x, _ in prepared])  # [R, V]
+    values, ids = topk_rows(stacked, k)  # R lists of k, best first
+    out = []
+    for sampler, (x, softcap), row_values, row_ids in zip(samplers, prepared, values, ids, strict=True):
+        c = top_k_candidates(row_values, row_ids, sampler.params, softcap)
+        out.append(sampler._result(x, softcap, draw(c, sampler.rng), c.ids))
+    return out

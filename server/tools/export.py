@@ -1,8 +1,9 @@
 """`python -m server export`: a transformers checkpoint directory or a `.gguf` file -> an artifact dir for `--graph hf`.
 
-Writes cfg/ (config, generation config, tokenizer, chat template, and the image processor's preprocessor_config.json
-when the model reads images), embed_tokens.pt, hf/ and graph.json; with `vision="host"` also vision.safetensors (the
-vision tower and its projection, what `serve --vision host` runs on the CPU).
+Writes cfg/ (config, generation config, tokenizer, chat template, and the image processor's settings when the model
+reads images: preprocessor_config.json, or processor_config.json, which is all transformers 5 saves), embed_tokens.pt,
+hf/ and graph.json; with `vision="host"` also vision.safetensors (the vision tower and its projection, what
+`serve --vision host` runs on the CPU).
 Reading a GGUF through transformers takes ~15 s (SmolLM2 135M) to ~35 s (Gemma-3 270M, whose 262k-token vocabulary
 the GGUF reader parses slowly: once here, not three times, see `_one_gguf_parse`) and `save_pretrained` refuses a
 GGUF-loaded model, so we build a fresh model from its config, give it the state dict, and save that: it reloads in
@@ -25,7 +26,15 @@ from typing import Any
 import torch
 
 from server.graphs.base import DTYPES
-from server.model.artifacts import CFG_DIR, GRAPH_JSON, HF_DIR, PREPROCESSOR_FILE, VISION_FILE, GraphSpec
+from server.model.artifacts import (
+    CFG_DIR,
+    GRAPH_JSON,
+    HF_DIR,
+    IMAGE_PROCESSOR_FILES,
+    VISION_FILE,
+    GraphSpec,
+    image_processor_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +149,10 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
                      softcap_in_graph=True, graph_file=None, tp=1)  # validates the numbers
     GraphSpec.from_json(spec.to_json())
 
+    if vision == "host" and source.is_dir() and image_processor_file(source) is None:  # serve would refuse it
+        raise ValueError(f"{source}: --vision host needs the image processor's settings beside the checkpoint: "
+                         f"{' or '.join(IMAGE_PROCESSOR_FILES)} (with an image_processor entry), as "
+                         "Gemma4Processor.save_pretrained (or the image processor's own) writes them; found neither")
     if source.is_file() and source.suffix == ".gguf":
         with _one_gguf_parse():
             with logged_step(1, 4, f"reading the weights of {source.name}"):
@@ -190,9 +203,9 @@ def export(source: Path | str, dest: Path | str, *, prefill_bucket: int = 128, m
             (cfg / "chat_template.jinja").write_text(template, encoding="utf-8")
         table = model.get_input_embeddings().weight.detach().to(torch_dtype).contiguous()  # [V, H]
         torch.save(table.clone(), staging / "embed_tokens.pt")
-        preprocessor = source / PREPROCESSOR_FILE if source.is_dir() else None
-        if towers is not None and preprocessor is not None and preprocessor.is_file():
-            shutil.copyfile(preprocessor, cfg / PREPROCESSOR_FILE)  # the image processor's settings, for the host
+        for name in IMAGE_PROCESSOR_FILES if towers is not None and source.is_dir() else ():
+            if (source / name).is_file():  # the image processor's settings, for the host (either file, as saved)
+                shutil.copyfile(source / name, cfg / name)
         if vision == "host" and towers is not None:
             _save_vision(towers, staging / VISION_FILE, torch_dtype)
         (staging / GRAPH_JSON).write_text(json.dumps(spec.to_json(), indent=2) + "\n", encoding="utf-8")

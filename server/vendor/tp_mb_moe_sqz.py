@@ -153,6 +153,12 @@ COMPONENTS = ("experts", "attention", "shared_mlp", "lm_head", "other", "kv_cach
 QUANT_MODES = ("int8", "none")
 EXPERT_MODES = ("dense", "selective")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PREFILL_LOGITS = ("last", "all")
+# v2/v3 builds' default query tile for global layers (issue 34): 64 rows keep the 26B's live scores at 32k to
+# 16 heads x 64 x 33,280 x 4 B = 0.136 GB per rank; fewer rows only add ops (512 / 64 = 8 tiles per global layer)
+DEFAULT_QUERY_TILE = 64
+# The name the tiled attention is registered under in transformers' AttentionInterface
+TILED_ATTENTION = "gemma4_optb_query_tiles"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -847,6 +853,64 @@ def block_visible(position_ids: torch.Tensor, block_ids: torch.Tensor, ring: int
     return same
 
 
+def query_tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          softcap: float | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers' eager attention, a tile of queries at a time on the layers the recipe marks (``query_tile``).
+
+    Registered in transformers' AttentionInterface (``TILED_ATTENTION``), so HF's own Gemma-4 attention calls it.
+    Unmarked layers and one-row calls (decode) run HF's ``eager_attention_forward`` as they always did. A marked
+    layer of a prefill (query [B, heads, T, D] over its ring [B, kvh, R, D]) gets no mask from the model: each tile
+    builds its own ``ring_mask`` [B, 1, tile, R] from the positions, so neither the scores nor the mask of all T
+    rows is ever live: [B, heads, tile, R] f32 at a time. The math is eager's, row for row (softmax is per row):
+    scores in the compute dtype x scaling, plus the f32 mask, an f32 softmax cast back, times V. The query heads
+    that share a KV head are folded into the rows of one matmul ([B, kvh, g * tile, D] @ [B, kvh, D, R]) instead of
+    repeat_kv's copy of K and V per query head ([heads, R, D] each: 0.55 GB per global layer of the 26B at 32k).
+    """
+    from transformers.models.gemma4.modeling_gemma4 import eager_attention_forward
+
+    tile = int(getattr(module, "query_tile", 0))
+    rows = query.shape[2]
+    if not tile or rows == 1:
+        return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       softcap=softcap, **kwargs)
+    if attention_mask is not None:
+        raise ValueError("a query-tiled layer builds its masks from the positions; it takes no attention_mask")
+    position_ids = kwargs["position_ids"]  # [B, T]
+    assert isinstance(position_ids, torch.Tensor)
+    batch, heads, _, dim = query.shape
+    kv_heads, ring = key.shape[1], key.shape[2]
+    group = heads // kv_heads  # query heads per KV head (repeat_kv's n_rep): head h reads KV head h // group
+    scale = dim**-0.5 if scaling is None else scaling
+    window = getattr(module, "ring_window", None)
+    # A graph has one T and loops over its tiles. The CPU trace (torch.jit.trace) is one trace for every bucket, and
+    # a Python loop is frozen at the traced length: it loops over the largest bucket's tiles, and a shorter call's
+    # tiles past its T are empty slices (size-0 matmuls, no rows), so the same trace serves every bucket.
+    span = int(getattr(module, "query_rows", rows)) if torch.jit.is_tracing() else rows
+    outs = []
+    for start in range(0, max(span, rows), tile):
+        q = query[:, :, start : start + tile]  # [B, heads, t, D]
+        t = q.shape[2]
+        q = q.reshape(batch, kv_heads, group * t, dim)  # [B, kvh, g * t, D]
+        scores = torch.matmul(q, key.transpose(2, 3)) * scale  # [B, kvh, g * t, R]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        mask = ring_mask(position_ids[:, start : start + t], ring, window)  # [B, 1, t, R] f32
+        scores = scores.view(batch, kv_heads, group, t, ring) + mask[:, :, None]  # [B, kvh, g, t, R] f32
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs.view(batch, kv_heads, group * t, ring), value)  # [B, kvh, g * t, D]
+        outs.append(out.view(batch, heads, t, dim).transpose(1, 2))  # [B, t, heads, D]
+    return torch.cat(outs, dim=1).contiguous(), None  # [B, T, heads, D], as eager returns it
+
+
+def register_tiled_attention() -> str:
+    """``query_tiled_attention`` under ``TILED_ATTENTION`` in transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TILED_ATTENTION, query_tiled_attention)
+    return TILED_ATTENTION
+
+
 @dataclass(frozen=True)
 class Plan:
     """How to build the module: parallel degree, squeeze, compute dtype, KV capacity and state handling."""
@@ -871,6 +935,12 @@ class Plan:
     block_size: int = 128
     context_buckets: tuple[int, ...] = ()
     vision_tp: str = "auto"  # --vision's tower: "auto" (sharded iff it frees enough bytes), "sharded", "replicated"
+    # v2/v3 (issue 34): "last": prefill graphs take last_index [1] and return that row's logits [1, 1, V]; a scored
+    # prompt runs the score graph (all rows' logits) at the smallest bucket. "all": every row, as before.
+    prefill_logits: str = "all"
+    # v2/v3: global layers attend a prefill's queries this many at a time (0: all at once), so one layer's live f32
+    # scores are [heads, tile, ring], not [heads, T, ring] (``query_tiled_attention``)
+    query_tile: int = 0
 
     @property
     def kv_int8(self) -> bool:
@@ -908,6 +978,21 @@ class Plan:
         return full if window is None else min(window + largest, full)
 
     @property
+    def last_logits(self) -> bool:
+        """Prefill graphs return the last real row's logits only (and a score graph serves scored prompts)."""
+        if self.prefill_logits not in PREFILL_LOGITS:
+            raise ValueError(f"prefill_logits must be one of {PREFILL_LOGITS}, got {self.prefill_logits!r}")
+        if self.prefill_logits == "last" and self.pooled:
+            raise ValueError("contract v4's prefill graphs return every row (prefill_logits 'all'); 'last' is v2/v3's")
+        return self.prefill_logits == "last"
+
+    @property
+    def score_buckets(self) -> tuple[int, ...]:
+        """The score graphs' chunk lengths: the smallest bucket (a scored prompt is rare, its [T, V] logits are not
+        small), none when every prefill graph returns all rows."""
+        return (min(self.buckets),) if self.last_logits else ()
+
+    @property
     def int8(self) -> bool:
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {self.quant!r}")
@@ -936,6 +1021,13 @@ class RecipeModel(nn.Module):
         cfg = copy.deepcopy(text_config)
         # The masks come in as tensors: eager attention adds them as they are (sdpa/flash would re-derive them).
         cfg._attn_implementation = "eager"
+        if plan.query_tile:
+            if not plan.ringed:
+                raise ValueError("query tiles (--query-tile) need --contract v2 or v3 (rings, masks from positions)")
+            # eager's math on every layer; the marked (global) layers run it a tile of queries at a time
+            cfg._attn_implementation = register_tiled_attention()
+        if plan.last_logits and not plan.ringed:
+            raise ValueError("--prefill-logits last needs --contract v2 or v3 (v1's prefill returns every row)")
         # Not `self.config`: NxD's sharder casts every checkpoint tensor (int8 included) to `model.config.torch_dtype`.
         self.text_config = cfg
         self.plan = plan
@@ -987,6 +1079,13 @@ class RecipeModel(nn.Module):
                 # v4 global layers: [NB, kvh, BS, D], the pool's blocks lent to rows by their block tables
                 caches, n_slots = plan.kv_blocks, plan.block_size
             self.ring_sizes.append(n_slots)
+            if plan.query_tile and plan.pooled:
+                raise ValueError("--query-tile is v2/v3's (a v4 global layer reads its block table untiled)")
+            if plan.query_tile and not attn.is_sliding:
+                # Global layers: their ring is the whole context (sliding ones are bounded by window + bucket).
+                attn.query_tile = plan.query_tile
+                attn.query_rows = max(plan.buckets)  # the most rows a prefill call has (the CPU trace's loop)
+                attn.ring_window = self.window_of(idx)
             # --kv-quant int8 (v3): K and V as int8 with one f32 scale per (slot, head, ring position)
             states = [(name, attn.head_dim, torch.int8 if plan.kv_int8 else dtype) for name in ("k_cache", "v_cache")]
             if plan.kv_int8:
@@ -1067,30 +1166,37 @@ class RecipeModel(nn.Module):
         inputs_embeds: torch.Tensor,  # f32 [B, T, H], already x embed scale (B = 1 but for v3 decode)
         position_ids: torch.Tensor,  # int64 [B, T]
         *contract_inputs: torch.Tensor,  # v1: onehot [1,1,MAX,T], full_mask, sliding_mask [1,1,T,MAX]; v3: slot_ids [B]
-        # then, for a block-aware prefill (Plan.block_ids): block_ids int64 [1, T] (0 = text, one id > 0 per image)
+        # then, for a block-aware prefill (Plan.block_ids): block_ids int64 [1, T] (0 = text, one id > 0 per image);
+        # then, for a last-row prefill (Plan.last_logits): last_index int64 [1], the chunk's last real row
     ) -> tuple[torch.Tensor, ...]:
         hidden = inputs_embeds.to(self.plan.dtype)  # [B, T, H]
         rope = {lt: self.rotary_emb(hidden, position_ids, lt) for lt in sorted(set(self.layer_types))}
+        last_index = None
         # Masks stay f32: a bf16 score plus an f32 mask is computed in f32 (finfo(f32).min would be -inf in bf16).
         if self.plan.ringed:
             block_ids = None
+            extra = list(contract_inputs)
             if self.plan.pooled:
-                slot_ids, block_table = contract_inputs  # [B] int64 (sliding rings), [B, NBc] int32 (the pool)
-                cache = BlockCache(self, position_ids, slot_ids, block_table)
-                blocks = []
+                slot_ids, block_table = extra.pop(0), extra.pop(0)  # [B] int64 (sliding rings), [B, NBc] int32
+                cache: SlotCache | RingCache | SlotRingCache = BlockCache(self, position_ids, slot_ids, block_table)
             elif self.plan.contract == "v3":
-                slot_ids, *blocks = contract_inputs  # [B] int64; a block-aware prefill adds block_ids [1, T]
+                slot_ids = extra.pop(0)  # [B] int64
                 cache = SlotRingCache(self, position_ids, slot_ids)
             else:
-                blocks = list(contract_inputs)  # v2: nothing, or block_ids [1, T] (a block-aware prefill)
                 cache = RingCache(self, position_ids)
-            if blocks:
-                (block_ids,) = blocks
-            masks = {}
+            if self.plan.block_ids and inputs_embeds.shape[1] > 1 and extra:
+                block_ids = extra.pop(0)  # a block-aware prefill (or score) call: [1, T]
+            if extra:  # a prefill graph's last_index [1]; the score graph (and decode) has none
+                (last_index,) = extra
+            masks: dict[str, torch.Tensor | None] = {}
             for idx, layer_type in enumerate(self.layer_types):
                 if layer_type not in masks and self.plan.pooled and layer_type == "full_attention":
                     masks[layer_type] = table_mask(position_ids, block_table, self.plan.block_size)
                 if layer_type not in masks:  # every layer of a type has the same ring and window
+                    if getattr(self.layers[idx].self_attn, "query_tile", 0) and inputs_embeds.shape[1] > 1:
+                        assert layer_type not in self.bidirectional, "a tiled layer is causal (global layers are)"
+                        masks[layer_type] = None  # query_tiled_attention builds one tile's mask at a time
+                        continue
                     blocked = block_ids if layer_type in self.bidirectional else None
                     masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx),
                                                   blocked)  # [B, 1, T, R]
@@ -1110,13 +1216,20 @@ class RecipeModel(nn.Module):
                 position_ids=position_ids,
                 cache=cache,
             )  # [B, T, H]
+        if last_index is not None:
+            # Only the row the host samples from: norm and lm_head over [B, 1, H], never [B, T, V] f32 logits.
+            hidden = hidden.index_select(1, last_index)  # [B, 1, H]
         hidden = self.norm(hidden)
-        logits = self.lm_head(hidden).float()  # [B, T, V]; no soft-cap, the host applies it
+        logits = self.lm_head(hidden).float()  # [B, T, V] ([B, 1, V] with last_index); no soft-cap, the host's
         return (logits, *[cache.new_states[n] for n in self.state_names])
 
     # trace_module needs one method per graph; all are the same forward at different shapes. v3 traces
     # `decode_dense` too: decode batches past the selective limit freeze the other experts path (SelectiveExperts).
+    # A last-row build's `prefill` takes last_index after its other inputs; its `score` does not (every row).
     def prefill(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.forward(*inputs)
+
+    def score(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.forward(*inputs)
 
     def decode(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -1291,11 +1404,13 @@ def contract_inputs(
 
 def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1", batch: int = 1,
                    slot_ids: list[int] | None = None, blocks: bool = False,
-                   blocks_of: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+                   blocks_of: tuple[int, int] | None = None, last: bool = False) -> tuple[torch.Tensor, ...]:
     """One graph's inputs: T tokens from `start` (v3: B rows, row r at start - 3r, in slot_ids or 0..B-1).
 
-    `blocks` (a block-aware prefill, T > 1): block_ids [1, T] last, an image block of T // 2 tokens in the middle.
-    v4: `max_total` is the graph's context bucket and `blocks_of` (pool blocks, block size) sizes the block table."""
+    `blocks` (a block-aware prefill, T > 1): block_ids [1, T] after the rest, an image block of T // 2 tokens in the
+    middle. `last` (a last-row prefill): last_index [1] at the very end, a row that moves with `start` (a chunk's
+    last real row is anywhere in the bucket). v4: `max_total` is the graph's context bucket and `blocks_of` (pool
+    blocks, block size) sizes the block table."""
     embeds = torch.randn(batch, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [B, T, H]
     offsets = torch.clamp(start - 3 * torch.arange(batch), min=0)  # [B] distinct rows sit at distinct positions
     positions = offsets[:, None] + torch.arange(t, dtype=torch.int64)  # [B, T]
@@ -1304,6 +1419,8 @@ def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1"
         block_ids = torch.zeros(batch, t, dtype=torch.int64)  # [1, T]
         block_ids[:, t // 4 : t // 4 + max(t // 2, 1)] = 1 + start % 3  # ids are per call: any id > 0 will do
         extra = (block_ids,)
+    if last and t > 1:
+        extra = (*extra, torch.tensor([t - 1 if start == 0 else t // 2], dtype=torch.int64))  # [1]
     if contract in ("v3", "v4"):
         slots = torch.tensor(slot_ids if slot_ids is not None else list(range(batch)), dtype=torch.int64)  # [B]
         if contract == "v4":
@@ -1345,7 +1462,8 @@ def graph_example(cfg, plan: Plan, graph: tuple[str, int, int, int, int], start:
     if plan.pooled:
         return example_inputs(cfg, t, first, context, plan.contract, batch, slot_ids,
                               blocks_of=(plan.kv_blocks, plan.block_size))
-    return example_inputs(cfg, t, first, plan.max_total, plan.contract, batch, slot_ids, plan.block_ids)
+    return example_inputs(cfg, t, first, plan.max_total, plan.contract, batch, slot_ids, plan.block_ids,
+                          last=takes_last_index(plan, key))
 
 
 def all_graphs(plan: Plan) -> list[tuple[str, int, int, int, int]]:
@@ -1359,7 +1477,8 @@ def graph_keys(plan: Plan) -> list[tuple[str, int, int, int]]:
     """(key, T, start position of the example, B) per graph: each prefill bucket, then decode.
 
     v1 keeps its two keys ("prefill", "decode"); v2 names a prefill graph per bucket ("prefill_512"); v3 also a
-    decode graph per batch size ("decode_4": [4, 1, H] over 4 slots).
+    decode graph per batch size ("decode_4": [4, 1, H] over 4 slots). A last-row build (Plan.last_logits) adds
+    its score graphs ("score_128": every row's logits, at the smallest bucket) after the prefill ones.
     """
     if plan.contract == "v1":
         (bucket,) = plan.buckets
@@ -1367,9 +1486,15 @@ def graph_keys(plan: Plan) -> list[tuple[str, int, int, int]]:
     if plan.pooled:
         return [(key, t, start, b) for key, t, start, b, _ in v4_graphs(plan)]
     prefill = [(f"prefill_{b}", b, 0, 1) for b in plan.buckets]
+    prefill += [(f"score_{b}", b, 0, 1) for b in plan.score_buckets]  # a last-row build's scored prompts
     if plan.contract == "v3":
         return [*prefill, *((f"decode_{b}", 1, max(plan.buckets), b) for b in plan.decode_batches)]
     return [*prefill, ("decode", 1, max(plan.buckets), 1)]
+
+
+def takes_last_index(plan: Plan, key: str) -> bool:
+    """Whether graph `key` takes last_index: the prefill graphs of a last-row build (not its score graphs)."""
+    return plan.last_logits and key.startswith("prefill")
 
 
 def decode_experts(plan: Plan, cfg) -> dict[int, str]:
@@ -1413,15 +1538,23 @@ def residency(
     kv_blocks: int = 0,
     block_size: int = 128,
     context_buckets: tuple[int, ...] = (),
+    prefill_logits: str | None = None,
+    query_tile: int | None = None,
 ) -> dict[str, int]:
     """Device bytes held by one rank, per component (every rank holds the same amount). v4: `kv_blocks` blocks of
-    `block_size` positions in the global layers' pool and `kv_slots` sliding rings (one per running row)."""
+    `block_size` positions in the global layers' pool and `kv_slots` sliding rings (one per running row).
+
+    `prefill_logits` / `query_tile` default to what a build of `contract` gets (v1 and v4: "all" rows, untiled;
+    v2/v3: "last" and DEFAULT_QUERY_TILE), so the scratch counted is the scratch the build's graphs hold."""
     from accelerate import init_empty_weights
 
+    ringed = contract in ("v2", "v3")
     plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False,
                 contract=contract, buckets=tuple(buckets), attn_quant=attn_quant, kv_slots=kv_slots,
                 decode_batches=tuple(decode_batches), kv_quant=kv_quant, kv_blocks=kv_blocks, block_size=block_size,
-                context_buckets=tuple(context_buckets or ((max_total,) if contract == "v4" else ())))
+                context_buckets=tuple(context_buckets or ((max_total,) if contract == "v4" else ())),
+                prefill_logits=prefill_logits or ("last" if ringed else "all"),
+                query_tile=(DEFAULT_QUERY_TILE if ringed else 0) if query_tile is None else query_tile)
     with init_empty_weights(include_buffers=True):
         model = RecipeModel(text_config, plan)
     states = set(model.state_names)
@@ -1433,13 +1566,7 @@ def residency(
         seen.add(id(t))
         sizes[component_of(name, states)] += t.numel() * t.element_size()
     sizes["total"] = sum(sizes[c] for c in COMPONENTS)
-    # Not resident, but what a call of the largest bucket B needs at once on top (an estimate, the compiler may
-    # tile it): the gathered f32 logits [B, V] and one global layer's f32 scores [heads, B, slots].
-    b = max(plan.buckets)
-    global_slots = plan.ring_slots(None) if plan.ringed else max_total
-    if plan.pooled:
-        global_slots = max_total  # a prefill of the largest context bucket gathers that many keys per global layer
-    sizes["prefill_scratch_estimate"] = 4 * b * (text_config.vocab_size + text_config.num_attention_heads * global_slots)
+    sizes.update(prefill_scratch(text_config, plan, model))
     if plan.slotted:
         # A decode step of the largest batch gathers its rows' slots of one layer at a time ([B, kvh, R, D], K and
         # V; the compiler may stream it instead) and returns f32 logits [B, V].
@@ -1483,6 +1610,51 @@ def kv_bytes_per_row(model: RecipeModel) -> dict[str, int]:
     return out
 
 
+def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, int]:
+    """Per-rank bytes a prefill call needs on top of what is resident (an estimate: the compiler may tile further),
+    the largest over the build's prefill graphs (each bucket's, and a last-row build's score graph) of:
+
+      logits       f32 [rows, V] gathered: rows = 1 for a last-row prefill graph, T for a score graph (or an "all"
+                   build's prefill)
+      attention    one layer's live f32 scores and mask, the larger layer kind: a global layer's [heads, tile, ring]
+                   + [tile, ring] (tile = Plan.query_tile rows, or T untiled), a sliding layer's [heads/tp, T, ring]
+      activations  f32 rows of T tokens, 3 x hidden (residual, normed, attention out) + the widest row inside a
+                   layer (the global layer's queries, the shared MLP's gate+up, the routed experts' gate+up [E/tp, 2I])
+
+    Not counted: an int8 experts build's per-expert down-projection partials [T, E/tp, H] before the scale and the sum
+    over experts (``prefill_experts_partials``, reported beside it): a contraction a compiler accumulates rather than
+    stores; on the CPU trace they are materialized.
+    """
+    cfg = text_config
+    heads = int(cfg.num_attention_heads)
+    global_slots = plan.ring_slots(None) if plan.ringed else plan.max_total
+    if plan.pooled:
+        global_slots = plan.max_total  # v4: a prefill of the largest context bucket gathers that many keys per layer
+    window = int(cfg.sliding_window) if cfg.sliding_window else None
+    sliding_slots = plan.ring_slots(window) if plan.ringed else plan.max_total
+    sliding_heads = heads // plan.tp if plan.tp > 1 else heads
+    experts_local = int(cfg.num_experts or 0) // plan.tp
+    head_dim = max(int(layer.self_attn.head_dim) for layer in model.layers)  # the global layers' (512 on the 26B)
+    moe_inner = max(int(layer.experts.intermediate_size) for layer in model.layers)
+    widest = max(heads * head_dim, 2 * int(cfg.intermediate_size) // plan.tp, experts_local * 2 * moe_inner)
+    graphs = [(b, not plan.last_logits) for b in plan.buckets] + [(b, True) for b in plan.score_buckets]
+    best: dict[str, int] = {}
+    for rows, all_rows in graphs:
+        tile = min(plan.query_tile, rows) if plan.query_tile else rows
+        terms = {
+            "logits": 4 * int(cfg.vocab_size) * (rows if all_rows else 1),
+            "attention": max(4 * tile * global_slots * (heads + 1), 4 * rows * sliding_slots * (sliding_heads + 1)),
+            "activations": 4 * rows * (3 * int(cfg.hidden_size) + widest),
+        }
+        if sum(terms.values()) > sum(best.values()):
+            best = terms
+    out = {"prefill_scratch_estimate": sum(best.values())}
+    out.update({f"prefill_scratch_{name}": value for name, value in best.items()})
+    if plan.int8:
+        out["prefill_experts_partials"] = 4 * max(plan.buckets) * experts_local * int(cfg.hidden_size)
+    return out
+
+
 # What a v3 build may hold per NeuronCore: 15 GB of its 16, the rest left to the runtime and the compiler's own buffers.
 CORE_BUDGET_BYTES = 15 * 10**9
 SLOT_TABLE_SLOTS = (1, 2, 3, 4, 6, 8)
@@ -1498,11 +1670,14 @@ def fits_core(sizes: Mapping[str, int]) -> bool:
 
 def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decode_batches: tuple[int, ...] = (1, 2, 4),
                slots: Iterable[int] = SLOT_TABLE_SLOTS, max_totals: Iterable[int] = SLOT_TABLE_MAX_TOTAL,
-               kv_quant: str = "none", vision: Mapping[str, int] | None = None) -> dict:
+               kv_quant: str = "none", vision: Mapping[str, int] | None = None, prefill_logits: str | None = None,
+               query_tile: int | None = None) -> dict:
     """Per attention mode and MAX: per-rank bytes (resident + scratch) of each slot count, and the most slots that fit.
     `vision` (vision_residency): the tower's weights are resident beside the LM's, its scratch is one more call."""
     table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
                    "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets), "rows": [],
+                   "prefill_logits": prefill_logits or "last",
+                   "query_tile": DEFAULT_QUERY_TILE if query_tile is None else query_tile,
                    **({"vision": dict(vision)} if vision else {})}
     for attn_quant in QUANT_MODES:
         for max_total in max_totals:
@@ -1510,7 +1685,8 @@ def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
             for s in slots:
                 batches = tuple(b for b in decode_batches if b <= s)
                 sizes = residency(text_config, tp, quant, max_total, contract="v3", buckets=buckets,
-                                  attn_quant=attn_quant, kv_slots=s, decode_batches=batches, kv_quant=kv_quant)
+                                  attn_quant=attn_quant, kv_slots=s, decode_batches=batches, kv_quant=kv_quant,
+                                  prefill_logits=prefill_logits, query_tile=query_tile)
                 if vision:
                     sizes.update(vision)
                     sizes["total"] += vision["vision"]
@@ -1619,6 +1795,12 @@ def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: in
                  "vision_scratch_estimate"):
         if comp in sizes:
             print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
+        if comp == "prefill_scratch_estimate" and comp in sizes:
+            parts = ", ".join(f"{name} {sizes[f'prefill_scratch_{name}'] / 1e9:.3f}"
+                              for name in ("logits", "attention", "activations") if f"prefill_scratch_{name}" in sizes)
+            print(f"    = {parts} GB" + (f"; not counted: experts' down partials "
+                                         f"{sizes['prefill_experts_partials'] / 1e9:.3f} GB"
+                                         if "prefill_experts_partials" in sizes else ""))
     verdict = "fits" if fits_core(sizes) else "does NOT fit"
     print(f"  resident + the larger scratch {verdict} in {CORE_BUDGET_BYTES / 1e9:.0f} GB per core")
     if as_json:
@@ -2390,7 +2572,25 @@ def write_graph_json(
             "bidirectional_layers": sorted({"sliding_attention"} & (
                 {"sliding_attention"} if cfg.use_bidirectional_attention == "vision" else set())),
         }
+    if plan is not None and plan.ringed:
+        record.update(logits_record(plan))
+        if plan.last_logits:
+            record["inputs"]["last_index"] = ["int64", [1]]  # after block_ids, as the graphs take them
     (out / "graph.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def logits_record(plan: Plan) -> dict:
+    """graph.json's record of which rows the prefill graphs return (issue 34). Absent in older builds: every row,
+    no score graph, untiled attention (the server keeps serving those as it always did)."""
+    record: dict = {"prefill_logits": plan.prefill_logits, "query_tile": plan.query_tile}
+    if plan.last_logits:
+        record["score_buckets"] = list(plan.score_buckets)
+        record["last_index"] = {
+            "graphs": "prefill",
+            "meaning": "the chunk's last real row (0-based, pads follow it): the prefill graph returns logits "
+                       "[1, 1, V] of that row; the score graphs take no last_index and return every row [1, T, V]",
+        }
     return record
 
 
@@ -2415,7 +2615,8 @@ def v3_record(cfg, plan: Plan, *, max_total: int, tp: int, graph_file: str, quan
         "inputs": {"inputs_embeds": ["float32", ["B", "T", h]], "position_ids": ["int64", ["B", "T"]],
                    "slot_ids": ["int64", ["B"]]},
         "outputs": {"logits": ["float32", ["B", "T", v]]},
-        "graphs": {"prefill": {"B": [1], "T": sorted(plan.buckets)}, "decode": {"B": list(plan.decode_batches), "T": [1]}},
+        "graphs": {"prefill": {"B": [1], "T": sorted(plan.buckets)}, "decode": {"B": list(plan.decode_batches), "T": [1]},
+                   **({"score": {"B": [1], "T": list(plan.score_buckets)}} if plan.last_logits else {})},
         "decode_experts": {str(b): path for b, path in decode_experts(plan, cfg).items()},
         "tp": tp,
         "softcap_in_graph": False,
@@ -2604,6 +2805,113 @@ class ContractDispatchV3Blocks(nn.Module):
         raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
 
 
+class ContractDispatchV2Last(nn.Module):
+    """v2 routing of a last-row build (Plan.last_logits): T == 1 -> decode; T a bucket with last_index [1] -> that
+    bucket's prefill graph (logits [1, 1, V] of row last_index); T a score bucket without it -> the score graph
+    (every row's logits); else an error, as ModelBuilder refuses a shape it has no graph for."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], score_buckets: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.score_buckets = score_buckets
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                last_index: torch.Tensor | None = None):
+        t = inputs_embeds.size(1)
+        if t == 1:
+            return self.core.decode(inputs_embeds, position_ids)
+        if last_index is not None and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, last_index)
+        if last_index is None and t in self.score_buckets:
+            return self.core.score(inputs_embeds, position_ids)
+        raise RuntimeError("no graph for this input shape: T must be 1 (decode), a prefill bucket with last_index, "
+                           "or a score bucket without it")
+
+
+class ContractDispatchV2LastBlocks(nn.Module):
+    """ContractDispatchV2Last of a block-aware build: prefill and score take block_ids [1, T] before last_index."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], score_buckets: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.score_buckets = score_buckets
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                block_ids: torch.Tensor | None = None, last_index: torch.Tensor | None = None):
+        t = inputs_embeds.size(1)
+        if t == 1:
+            return self.core.decode(inputs_embeds, position_ids)
+        if block_ids is None:
+            block_ids = torch.zeros_like(position_ids)
+        if last_index is not None and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, block_ids, last_index)
+        if last_index is None and t in self.score_buckets:
+            return self.core.score(inputs_embeds, position_ids, block_ids)
+        raise RuntimeError("no graph for this input shape: T must be 1 (decode), a prefill bucket with last_index, "
+                           "or a score bucket without it")
+
+
+class ContractDispatchV3Last(nn.Module):
+    """ContractDispatchV3 of a last-row build: prefill takes last_index [1] after slot_ids; the score graph (T a
+    score bucket, no last_index) returns every row."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], decode_batches: list[int], selective_rows: int,
+                 score_buckets: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.decode_batches = decode_batches
+        self.selective_rows = selective_rows
+        self.score_buckets = score_buckets
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, slot_ids: torch.Tensor,
+                last_index: torch.Tensor | None = None):
+        b = inputs_embeds.size(0)
+        t = inputs_embeds.size(1)
+        if t == 1 and b in self.decode_batches:
+            if b <= self.selective_rows:
+                return self.core.decode(inputs_embeds, position_ids, slot_ids)
+            return self.core.decode_dense(inputs_embeds, position_ids, slot_ids)
+        if b == 1 and last_index is not None and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, slot_ids, last_index)
+        if b == 1 and last_index is None and t in self.score_buckets:
+            return self.core.score(inputs_embeds, position_ids, slot_ids)
+        raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, [1, T] with T a bucket and "
+                           "last_index, or [1, T] with T a score bucket")
+
+
+class ContractDispatchV3LastBlocks(nn.Module):
+    """ContractDispatchV3Last of a block-aware build: block_ids [1, T] after slot_ids, then last_index."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], decode_batches: list[int], selective_rows: int,
+                 score_buckets: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.decode_batches = decode_batches
+        self.selective_rows = selective_rows
+        self.score_buckets = score_buckets
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, slot_ids: torch.Tensor,
+                block_ids: torch.Tensor | None = None, last_index: torch.Tensor | None = None):
+        b = inputs_embeds.size(0)
+        t = inputs_embeds.size(1)
+        if t == 1 and b in self.decode_batches:
+            if b <= self.selective_rows:
+                return self.core.decode(inputs_embeds, position_ids, slot_ids)
+            return self.core.decode_dense(inputs_embeds, position_ids, slot_ids)
+        if block_ids is None:
+            block_ids = torch.zeros_like(position_ids)
+        if b == 1 and last_index is not None and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, slot_ids, block_ids, last_index)
+        if b == 1 and last_index is None and t in self.score_buckets:
+            return self.core.score(inputs_embeds, position_ids, slot_ids, block_ids)
+        raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, [1, T] with T a bucket and "
+                           "last_index, or [1, T] with T a score bucket")
+
+
 def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     """prefill and decode (T=1) traced into one module over one set of KV buffers.
 
@@ -2617,12 +2925,15 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     # (tests/test_recipe_v4.py runs each bucket against the eager module and transformers).
     context = min(plan.context_buckets) if plan.pooled else max_total
     pool = (plan.kv_blocks, plan.block_size) if plan.pooled else None
+    last = plan.last_logits
 
-    def example(t: int, start: int, batch: int = 1) -> tuple[torch.Tensor, ...]:
+    def example(t: int, start: int, batch: int = 1, with_last: bool = False) -> tuple[torch.Tensor, ...]:
         return example_inputs(cfg, t, min(start, context - t) if plan.pooled else start, context, contract, batch,
-                              blocks=plan.block_ids and t > 1, blocks_of=pool)
+                              blocks=plan.block_ids and t > 1, blocks_of=pool, last=with_last)
 
-    inputs = {"prefill": example(first, 0), "decode": example(1, first)}
+    inputs = {"prefill": example(first, 0, with_last=last), "decode": example(1, first)}
+    if last:  # the score graph: the prefill's inputs without last_index, every row's logits
+        inputs["score"] = example(first, 0)
     if plan.slotted:
         # v3: as v2's prefill, one decode trace serves every batch size (shapes come from the inputs), except that the
         # experts path is frozen by the traced batch: decode is traced at the smallest batch, decode_dense at the
@@ -2647,12 +2958,20 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
             return torch.jit.script(ContractDispatchV4(
                 traced, sorted(plan.buckets), list(plan.decode_batches), max(selective) if selective else 0,
                 [c // plan.block_size for c in plan.context_buckets]))
+        scores = list(model.plan.score_buckets)
         if contract == "v3":
             rows = max(selective) if selective else 0
+            if last:
+                last_v3 = ContractDispatchV3LastBlocks if blocks else ContractDispatchV3Last
+                return torch.jit.script(last_v3(traced, sorted(model.plan.buckets), list(model.plan.decode_batches),
+                                                rows, scores))
             dispatch_v3 = ContractDispatchV3Blocks if blocks else ContractDispatchV3
             return torch.jit.script(dispatch_v3(traced, sorted(model.plan.buckets), list(model.plan.decode_batches),
                                                 rows))
         if contract == "v2":
+            if last:
+                last_v2 = ContractDispatchV2LastBlocks if blocks else ContractDispatchV2Last
+                return torch.jit.script(last_v2(traced, sorted(model.plan.buckets), scores))
             dispatch_v2 = ContractDispatchV2Blocks if blocks else ContractDispatchV2
             return torch.jit.script(dispatch_v2(traced, sorted(model.plan.buckets)))
         return torch.jit.script(ContractDispatch(traced, bucket))
@@ -2690,7 +3009,8 @@ def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
                         buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant,
                         kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
                         block_ids=bool(args.vision), vision_tp=args.vision_tp, kv_blocks=args.kv_blocks,
-                        block_size=args.block_size, context_buckets=tuple(args.context_buckets))
+                        block_size=args.block_size, context_buckets=tuple(args.context_buckets),
+                        prefill_logits=args.prefill_logits, query_tile=args.query_tile)
     values.update(overrides)
     return Plan(**values)
 
@@ -3296,6 +3616,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="selective: graphs of few tokens (decode) read only the routed experts (see --roofline); "
                         "default: selective for --contract v2, dense for v1 (the published build)")
     p.add_argument("--attn-quant", choices=QUANT_MODES, default="none", help="int8: attention projections too")
+    p.add_argument("--prefill-logits", choices=PREFILL_LOGITS, default=None,
+                   help="v2/v3: 'last' (default) - prefill graphs return the last real row's logits, a score graph "
+                        "at the smallest bucket returns every row (scored prompts); 'all': every prefill row (v1)")
+    p.add_argument("--query-tile", type=int, default=None,
+                   help=f"v2/v3: global layers attend a prefill's queries this many rows at a time (default "
+                        f"{DEFAULT_QUERY_TILE}; 0: all at once; v1: 0)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
     p.add_argument("--weights", choices=("inside", "separate"), default="inside",
                    help="v2: 'separate' traces the graph without weights and writes one safetensors file per rank")
@@ -3365,6 +3691,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need 1 < every prefill bucket <= --max-total")
     if args.experts is None:
         args.experts = "selective" if args.contract in ("v2", "v3", "v4") else "dense"
+    ringed = args.contract in ("v2", "v3")
+    if args.prefill_logits is None:
+        args.prefill_logits = "last" if ringed else "all"
+    if args.query_tile is None:
+        args.query_tile = DEFAULT_QUERY_TILE if ringed else 0
+    if not ringed and (args.prefill_logits != "all" or args.query_tile):
+        p.error("--prefill-logits last and --query-tile need --contract v2 or v3 (v1 is the published "
+                "contract; v4 keeps every prefill row and reads its block pool untiled)")
+    if args.query_tile < 0:
+        p.error("--query-tile must be >= 0")
     if args.vision:
         if args.contract == "v1":
             p.error("--vision needs --contract v2 or v3 (the block-aware prefill)")
@@ -3403,7 +3739,8 @@ def main(argv: list[str] | None = None) -> int:
                           buckets=tuple(args.prefill_buckets), attn_quant=args.attn_quant, kv_slots=args.kv_slots,
                           decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
                           kv_blocks=args.kv_blocks, block_size=args.block_size,
-                          context_buckets=tuple(args.context_buckets))
+                          context_buckets=tuple(args.context_buckets),
+                          prefill_logits=args.prefill_logits, query_tile=args.query_tile)
         if args.vision:
             raw = report_config(args)
             vcfg = vision_config_from_dict(raw)
@@ -3439,8 +3776,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 vcfg = Gemma4VisionConfig(**VISION_26B)
             vision = vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets, vision_tp=args.vision_tp)
+        # the table is of v3 builds: their scratch follows --prefill-logits / --query-tile (v3's defaults unless given)
+        v3_flags = args.contract == "v3"
         print_slot_table(slot_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant,
-                                    vision=vision), args.json)
+                                    vision=vision, prefill_logits=args.prefill_logits if v3_flags else None,
+                                    query_tile=args.query_tile if v3_flags else None), args.json)
         return 0
     if args.check_lowering:
         cfg = text_config_from_dict(report_config(args))

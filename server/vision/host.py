@@ -3,7 +3,8 @@
 The modules are transformers' own (`Gemma4VisionModel` from the config's vision_config, `Gemma4MultimodalEmbedder`),
 built on the meta device and given the export's vision.safetensors (`export --vision host`): exactly what
 `Gemma4Model.get_image_features` runs, so the soft tokens are transformers', float for float. It answers
-server.graphs.base.VisionEncoder; the engine calls it on its device thread, one image at a time.
+server.graphs.base.VisionEncoder; the engine calls it on a host worker thread (server.engine.workers), one image at a
+time, while the device thread keeps stepping the other requests.
 
 What it costs: a matmul-bound tower (~2.8 TFLOP per 280-token image for the 26B's): tens of seconds per image on a
 few vCPUs (`python -m server bench` measures it). For builds without a vision graph, and for the tests.
@@ -29,6 +30,7 @@ def modules(vision_config: Any, text_config: Any) -> tuple[torch.nn.Module, torc
 
 class HostVisionEncoder:
     name = "host"
+    on_host = True  # the engine encodes on a host worker (server.engine.workers), never on the device thread
 
     def __init__(self, tower: torch.nn.Module, embed: torch.nn.Module, *, pooling: int, hidden_size: int,
                  dtype: torch.dtype, budgets: tuple[int, ...] = BUDGETS) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from server.model.artifacts import PREPROCESSOR_FILE, ArtifactDir, GraphSpec
+from server.model.artifacts import IMAGE_PROCESSOR_FILES, ArtifactDir, GraphSpec, image_processor_file
 
 if TYPE_CHECKING:
     from server.graphs.base import VisionEncoder
@@ -88,8 +88,10 @@ def plan_vision(mode: str, art: ArtifactDir, kind: str, spec: GraphSpec, dtype: 
     problem = None
     if not model_reads_images(config):
         problem = "this model reads no images (its config has no vision tower)"
-    elif not (art.cfg / PREPROCESSOR_FILE).is_file():
-        problem = f"the export has no {art.cfg / PREPROCESSOR_FILE} (the image processor's settings)"
+    elif image_processor_file(art.cfg) is None:
+        problem = (f"the export has no image processor settings ({' or '.join(IMAGE_PROCESSOR_FILES)} in {art.cfg}): "
+                   "export again from a checkpoint that has them (transformers' Gemma4Processor.save_pretrained "
+                   f"writes {IMAGE_PROCESSOR_FILES[1]}), or copy the checkpoint's file into {art.cfg}")
     elif (getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
           and not graph_takes_blocks(kind, spec)):
         problem = f"the {kind} graph takes no image blocks (block_ids), which this model's attention needs"

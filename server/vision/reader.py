@@ -2,7 +2,8 @@
 
 Bytes and picture come from `decode` (bounded); resizing, patches and the soft-token count from the model's own image
 processor, transformers' PIL Gemma-4 one (`Gemma4ImageProcessorPil`, Pillow only: torchvision is not needed), read
-from the export's cfg/preprocessor_config.json and called at the request's budget (`max_soft_tokens`). The count is
+from the export's cfg/preprocessor_config.json (or processor_config.json's `image_processor` entry, transformers 5's
+processor file: `from_pretrained` reads either) and called at the request's budget (`max_soft_tokens`). The count is
 the processor's, per image (it depends on the aspect ratio), never assumed from the budget.
 
 `read` runs on a worker thread of the HTTP layer (decode + resize take milliseconds to a second for a large photo);

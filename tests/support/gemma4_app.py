@@ -97,9 +97,17 @@ def chat_chunks(server: LiveServer, body: dict[str, Any]) -> Iterator[dict[str, 
             yield chunk
 
 
+_SHARED: dict[str, Host] = {}
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
-    return gemma4_host(tmp_path_factory.mktemp("gemma4"))
+    """One tiny Gemma-4 host for the whole session, whichever module asks first: ten modules serve it, and each
+    used to export it again and build its grammar vocabulary again (262k tokens, 13-60 s). A Host is a frozen value;
+    its graph is built per module from it (graph_loader), so no module sees another's device state."""
+    if "host" not in _SHARED:
+        _SHARED["host"] = gemma4_host(tmp_path_factory.getbasetemp() / "gemma4-shared")
+    return _SHARED["host"]
 
 
 @pytest.fixture(scope="module")

@@ -52,17 +52,18 @@ LAYER_SCALARS = (0.55, 1.35, 0.8, 1.2)
 SOFTCAP = 30.0
 
 
-def tiny_config():
+def tiny_config(**overrides: object):
     from transformers import Gemma4TextConfig
 
-    return Gemma4TextConfig(**TINY)
+    return Gemma4TextConfig(**{**TINY, **overrides})
 
 
-def make_tiny_hf(seed: int = 0):
-    """A random Gemma4ForCausalLM whose logits are peaked enough for greedy comparisons to be meaningful."""
+def make_tiny_hf(seed: int = 0, **overrides: object):
+    """A random Gemma4ForCausalLM whose logits are peaked enough for greedy comparisons to be meaningful
+    (`overrides`: TINY's fields changed, e.g. fewer layers or more positions)."""
     from transformers import Gemma4ForCausalLM
 
-    cfg = tiny_config()
+    cfg = tiny_config(**overrides)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Gemma4ForCausalLM(cfg).eval()
@@ -82,7 +83,7 @@ def make_tiny_hf(seed: int = 0):
         # The table is shipped as bf16 (embed_tokens.pt); keep it bf16-exact so the f32 reference sees the same rows.
         emb = model.model.embed_tokens.weight
         emb.copy_(emb.to(torch.bfloat16).float())
-        for layer, value in zip(model.model.layers, LAYER_SCALARS, strict=True):
+        for layer, value in zip(model.model.layers, LAYER_SCALARS[: len(model.model.layers)], strict=True):
             layer.layer_scalar.fill_(value)
     model.generation_config.eos_token_id = None  # generate a fixed number of tokens
     model.generation_config.pad_token_id = 0

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.chat.prompts import Prompts
+from server.api.thought_tokens import ThoughtTokens
 from server.engine.types import Completion, Delta, Finish, PromptLogprobs, TokenLogprob
-from server.protocol import OutputParser, ParsedDelta, ToolCallDelta, collect
+from server.protocol import OutputParser, ParsedDelta, ToolCallDelta
+from server.protocol.base import ParsedMessage
 
 _LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf
 
@@ -32,11 +34,19 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
 
-def usage(finishes: Sequence[Finish], n: int) -> dict[str, int]:
-    """OpenAI's usage over a request's choices, `n` per prompt: each prompt counted once, every completion."""
+def usage(finishes: Sequence[Finish], n: int, fmts: Sequence[_Format]) -> dict[str, Any]:
+    """OpenAI's usage over a request's choices, `n` per prompt: each prompt counted once, every completion; with the
+    details the `openai` SDK declares (cached: the prompt prefix reused from the KV cache, written: the rest, prefilled
+    now; reasoning: the thoughts' tokens; zero or null where they do not apply, or are not told apart)."""
     prompt = sum(finish.prompt_tokens for finish in finishes[::n])
     completion = sum(finish.completion_tokens for finish in finishes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(finish.reused_tokens for finish in finishes[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached, "audio_tokens": 0,
+                                      "image_tokens": None, "text_tokens": None},
+            "completion_tokens_details": {"reasoning_tokens": sum(fmt.reasoning_tokens for fmt in fmts),
+                                          "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0, "text_tokens": None}}
 
 
 @dataclass
@@ -51,6 +61,10 @@ class _Format:
     index: int
     logprobs: bool
 
+    @property
+    def reasoning_tokens(self) -> int:
+        return 0
+
 
 @dataclass
 class ChatFormat(_Format):
@@ -60,6 +74,11 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     parser: OutputParser
+    thought: ThoughtTokens = field(default_factory=ThoughtTokens)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.thought.count
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.prompts.token_info(token_id)
@@ -95,13 +114,16 @@ class ChatFormat(_Format):
         return fields
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        fields = self._delta_fields(self.parser.feed(delta.text)) if delta.text else {}
+        parsed = self.parser.feed(delta.text) if delta.text else ParsedDelta()
+        self.thought.feed(delta, parsed)
+        fields = self._delta_fields(parsed)
         if fields or (self.logprobs and delta.logprob is not None):
             return self._chunk(fields or {"content": ""}, self._logprobs([delta]), None)
         return None
 
     def final_chunks(self, reason: str) -> list[dict[str, Any]]:
         end = self.parser.finish()
+        self.thought.finish(end.delta)
         fields = self._delta_fields(end.delta)
         chunks = [self._chunk(fields, None, None)] if fields else []
         return [*chunks, self._chunk({}, None, _reason(reason, end.called_tools))]
@@ -110,8 +132,16 @@ class ChatFormat(_Format):
         return None  # chat scores no prompt
 
     def choice(self, done: Completion) -> dict[str, Any]:
-        text, deltas, finish = done.text, done.deltas, done.finish
-        parsed = collect(self.parser, text)
+        deltas, finish = done.deltas, done.finish
+        parsed = ParsedMessage()  # fed delta by delta, as the stream is: the thought's tokens are counted
+        for delta in deltas:
+            piece = self.parser.feed(delta.text) if delta.text else ParsedDelta()
+            self.thought.feed(delta, piece)
+            parsed.add(piece)
+        end = self.parser.finish()
+        self.thought.finish(end.delta)
+        parsed.add(end.delta)
+        parsed.called_tools = end.called_tools
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning:
             message["reasoning_content"] = parsed.reasoning

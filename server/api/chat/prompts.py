@@ -165,11 +165,32 @@ class Prompts:
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool,
                 images: Sequence[ImageInput] = (), **template: Any) -> list[int]:
         """The tokenizer's chat template (the artifact's cfg/chat_template.jinja), then tokens without adding
-        special tokens again: the template writes BOS itself. Each image's mark in the text becomes its tokens, as
-        Gemma4Processor expands its image token: begin-of-image, one image token per soft token, end-of-image."""
+        special tokens again: the template writes BOS itself. Each image becomes its tokens, as Gemma4Processor
+        expands its image token: begin-of-image, one image token per soft token, end-of-image."""
         if not self.protocol.supports_tools:
             # A plain template knows only text turns: an assistant turn without text is an empty one.
             conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
+        if images and self.model.images is not None:
+            # As Gemma4Processor.apply_chat_template renders them: content as parts, each image an {"type": "image"}
+            # part the model's own template writes (its image token, with whatever text around it the template
+            # puts there). A template that writes no image parts gets each image's mark in the text instead.
+            token = self.model.images.image_token
+            try:
+                text = self._template([_with_parts(m) for m in conversation], add_generation_prompt, **template)
+            except APIError:  # a template that takes text content only: the marks below
+                text = ""
+            pieces = text.split(token)
+            if len(pieces) == len(images) + 1 and IMAGE_MARK not in text:
+                text = pieces[0] + "".join(self.model.images.expansion(image.soft_tokens) + piece
+                                           for image, piece in zip(images, pieces[1:], strict=True))
+                return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        text = self._template(conversation, add_generation_prompt, **template)
+        if images:
+            text = _expanded(text, images, self.model.images)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _template(self, conversation: list[dict[str, Any]], add_generation_prompt: bool, **template: Any) -> str:
+        """The conversation through the model's chat template; a template error is the client's 400."""
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       **template)
@@ -182,9 +203,7 @@ class Prompts:
             raise APIError(400, "messages: the chat template cannot render them: their JSON (tool-call arguments, tool "
                            "results or tool schemas) is nested too deeply", param="messages",
                            code="invalid_value") from None
-        if images:
-            text = _expanded(text, images, self.model.images)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return text
 
     def _token_info(self, token_id: int) -> tuple[str, list[int]]:
         """A token's text as OpenAI's logprobs show it, and its bytes (the raw byte for byte-fallback tokens)."""
@@ -192,6 +211,24 @@ class Prompts:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         match = _BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
         return text, [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
+
+
+def _with_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose text holds image marks with its content as the parts it was sent as: text parts and
+    {"type": "image"} parts (server.api.schemas.split_parts joined them, "\n" between parts)."""
+    content = message.get("content")
+    if not isinstance(content, str) or IMAGE_MARK not in content:
+        return message
+    pieces = content.split(IMAGE_MARK)
+    parts: list[dict[str, Any]] = []
+    for index, piece in enumerate(pieces):
+        piece = piece.removeprefix("\n") if index > 0 else piece
+        piece = piece.removesuffix("\n") if index < len(pieces) - 1 else piece
+        if piece:
+            parts.append({"type": "text", "text": piece})
+        if index < len(pieces) - 1:
+            parts.append({"type": "image"})
+    return {**message, "content": parts}
 
 
 def _expanded(text: str, images: Sequence[ImageInput], reader: ImageReader | None) -> str:

@@ -126,7 +126,7 @@ class OpenAIRoutes:
                        stream: bool, include_usage: bool) -> Response:
         def whole(done: list[Completion]) -> dict[str, Any]:
             choices = [fmt.choice(c) for fmt, c in zip(fmts, done, strict=True)]
-            return fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n))
+            return fmts[0].envelope.wrap(fmts[0].object_name, choices, usage=usage([c.finish for c in done], n, fmts))
 
         return await self.service.answer(request, handles, self._stream(handles, fmts, n, include_usage) if stream else None,
                                          whole)
@@ -152,7 +152,7 @@ class OpenAIRoutes:
                     for payload in fmt.final_chunks(event.reason):
                         yield frame(payload)
             if include_usage:
-                yield frame(envelope.wrap(fmts[0].chunk_object_name, [], usage=usage(finishes, n)))
+                yield frame(envelope.wrap(fmts[0].chunk_object_name, [], usage=usage(finishes, n, fmts)))
         except Exception as exc:  # noqa: BLE001 - after the headers: in-band; a bug must still end the stream properly
             yield frame(self.service.stream_failure(exc, envelope.id).to_json())
         yield frame(DONE)

@@ -12,6 +12,9 @@ Deliberate choices (do not "fix" these without reading why):
   from the device's KV cache (their sum is the prompt, as Anthropic counts); `cache_creation_input_tokens` is 0: no
   cache marker is needed (or honoured) to keep a prefix. The stream's `message_start` cannot know the reuse yet: it
   counts the whole prompt as input, and `message_delta` carries the final counts (Anthropic's are cumulative there).
+- Every field the `anthropic` SDK declares on a Message and its usage is there, null or zero where it does not apply
+  (no container, no refusal details, no server tools, no cache writes); `output_tokens_details.thinking_tokens`
+  counts the thought's tokens (server.api.thought_tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import uuid
 from typing import Any
 
+from server.api.thought_tokens import ThoughtTokens
 from server.engine.types import Delta, Finish
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta
 
@@ -40,13 +44,17 @@ class MessageBuilder:
         self.blocks: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the thinking or text block text is added to
         self.called_tools = False
+        self.thought = ThoughtTokens()
 
     def feed(self, delta: Delta) -> list[dict[str, Any]]:
-        return self._add(self.parser.feed(delta.text)) if delta.text else []
+        parsed = self.parser.feed(delta.text) if delta.text else ParsedDelta()
+        self.thought.feed(delta, parsed)
+        return self._add(parsed)
 
     def finish(self) -> list[dict[str, Any]]:
         end = self.parser.finish()
         self.called_tools = end.called_tools
+        self.thought.finish(end.delta)
         return self._add(end.delta) + self._close()
 
     def _add(self, parsed: ParsedDelta) -> list[dict[str, Any]]:
@@ -94,9 +102,17 @@ class MessageBuilder:
 def message_shell(message_id: str, model: str, prompt_tokens: int) -> dict[str, Any]:
     """The message before any content (the stream's `message_start`)."""
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": 0}}
+            "stop_reason": None, "stop_sequence": None, "stop_details": None, "container": None, "diagnostics": None,
+            "usage": _usage(prompt_tokens, 0, 0, 0)}
+
+
+def _usage(input_tokens: int, reused: int, output_tokens: int, thinking_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": reused,
+            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+            "output_tokens_details": {"thinking_tokens": thinking_tokens},
+            "server_tool_use": {"web_search_requests": 0, "web_fetch_requests": 0},
+            "service_tier": "standard", "speed": "standard", "inference_geo": None}
 
 
 def stop_reason(finish: Finish, called_tools: bool) -> str:
@@ -107,18 +123,19 @@ def stop_reason(finish: Finish, called_tools: bool) -> str:
     return "tool_use" if called_tools else "end_turn"
 
 
-def usage(finish: Finish) -> dict[str, Any]:
-    return {"input_tokens": finish.prompt_tokens - finish.reused_tokens, "output_tokens": finish.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": finish.reused_tokens}
+def usage(finish: Finish, builder: MessageBuilder) -> dict[str, Any]:
+    return _usage(finish.prompt_tokens - finish.reused_tokens, finish.reused_tokens, finish.completion_tokens,
+                  builder.thought.count)
 
 
 def final_delta(finish: Finish, builder: MessageBuilder) -> dict[str, Any]:
     """The stream's `message_delta`: how it ended, and the final usage."""
     return {"type": "message_delta", "delta": {"stop_reason": stop_reason(finish, builder.called_tools),
-                                               "stop_sequence": finish.stop_sequence},
-            "usage": usage(finish)}
+                                               "stop_sequence": finish.stop_sequence, "stop_details": None,
+                                               "container": None},
+            "usage": usage(finish, builder)}
 
 
 def finished(shell: dict[str, Any], builder: MessageBuilder, finish: Finish) -> dict[str, Any]:
     return {**shell, "content": copy.deepcopy(builder.blocks), "stop_reason": stop_reason(finish, builder.called_tools),
-            "stop_sequence": finish.stop_sequence, "usage": usage(finish)}
+            "stop_sequence": finish.stop_sequence, "usage": usage(finish, builder)}

@@ -15,7 +15,8 @@ Deliberate choices (do not "fix" these without reading why):
   The data's format is told by its first bytes (the four formats' fixed signatures), so the check decodes 12 bytes
   here, not the image (the reader decodes it later on a worker thread). A `url` source must be http(s); whether this
   server downloads it (--allow-image-urls) is the route's check, as on chat.
-- `cache_control` (on the body, a block or a tool) is accepted and ignored: this server caches the longest common
+- `cache_control` (on the body, a block or a tool; `ephemeral`, its `ttl` 5m or 1h, as the SDK declares it) is
+  accepted and ignored: this server caches the longest common
   prompt prefix on its own (`usage.cache_read_input_tokens` says how much was reused), with no markers needed.
   So are `metadata`, `service_tier`, `inference_geo`, `speed`, `diagnostics`, and a thinking block's `signature`:
   none changes the output here.
@@ -71,10 +72,22 @@ def _blocks(allowed: tuple[str, ...]) -> BeforeValidator:
     return BeforeValidator(blocks)
 
 
+class CacheControl(BodyPart):
+    """A cache breakpoint (the SDK's CacheControlEphemeralParam): checked against its documented values, then ignored
+    (see the module docstring)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class Metadata(BodyPart):
+    user_id: str | None = None
+
+
 class TextBlock(BodyPart):
     type: Literal["text"]
     text: str
-    cache_control: dict[str, Any] | None = None  # accepted and ignored (see the module docstring)
+    cache_control: CacheControl | None = None
     citations: list[Any] | None = None
 
     @field_validator("citations")
@@ -90,7 +103,7 @@ class ToolUseBlock(BodyPart):
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 def sniffed_type(data: str) -> str | None:
@@ -158,7 +171,7 @@ def _source(value: Any) -> Any:
 class ImageBlock(BodyPart):
     type: Literal["image"]
     source: Annotated[Base64Source | UrlSource, Field(discriminator="type"), BeforeValidator(_source)]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 ResultBlock = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
@@ -169,7 +182,7 @@ class ToolResultBlock(BodyPart):
     tool_use_id: str = Field(min_length=1)
     content: Annotated[list[ResultBlock], _blocks(("text", "image"))] = Field(default_factory=list)
     is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(BodyPart):
@@ -211,7 +224,7 @@ class CustomTool(BodyPart):
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None  # forced calls follow the schema by grammar in any case
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
     defer_loading: bool | None = None  # left out of the prompt until the conversation surfaces it (translate.py)
     input_examples: list[dict[str, Any]] | None = None  # accepted and ignored: the schema is what the model reads
 
@@ -325,7 +338,7 @@ class PromptBody(RequestBody):
     output_config: OutputConfig | None = None
     context_management: ContextManagement | None = None
     # Accepted and ignored: they change nothing in the output here (see the module docstring).
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
     speed: Literal["standard", "fast"] | None = None
 
     @field_validator("messages", mode="before")
@@ -370,8 +383,8 @@ class MessagesRequest(PromptBody):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # 0: off
     stream: bool | None = False
-    metadata: dict[str, Any] | None = None  # {"user_id": ...}: accepted and ignored
-    service_tier: str | None = None
+    metadata: Metadata | None = None  # accepted and ignored
+    service_tier: Literal["auto", "standard_only"] | None = None
     inference_geo: str | None = None
     diagnostics: dict[str, Any] | None = None
 

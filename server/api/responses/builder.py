@@ -231,7 +231,8 @@ def finished(shell: dict[str, Any], builder: OutputBuilder, finish: Finish) -> d
             "input_tokens": finish.prompt_tokens,
             # cached: the prompt prefix reused from the device's KV cache; written: the rest, prefilled now
             "input_tokens_details": {"cached_tokens": finish.reused_tokens,
-                                     "cache_write_tokens": finish.prompt_tokens - finish.reused_tokens},
+                                     "cache_write_tokens": finish.prompt_tokens - finish.reused_tokens,
+                                     "cache_write_tokens_details": None},  # no TTL: kept until evicted
             "output_tokens": finish.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": builder.reasoning_tokens},
             "total_tokens": finish.prompt_tokens + finish.completion_tokens,

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from server.api.http import BodyPart, RequestBody
+from server.api.http import IGNORED_TYPES, BodyPart, OpenAITier, RequestBody
 from server.api.schemas import MinP, RepetitionPenalty, Seed, ToolName, TopK, joined_text_parts
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "custom_tool_call",
@@ -232,6 +232,8 @@ class ReasoningConfig(BodyPart):
 
 class ResponsesRequest(RequestBody):
     refused_hints = REFUSED
+    # The Responses API's tiers are chat's and one more (the openai SDK's responses ServiceTier).
+    ignored_types = {**IGNORED_TYPES, "service_tier": TypeAdapter(Literal[OpenAITier, "ultrafast"] | None)}
 
     model: str | None = None
     input: list[InputItem] = []

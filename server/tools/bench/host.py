@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,42 @@ def measure_sampling(repeats: int = 200) -> dict[str, float]:
         times.append((time.perf_counter() - start) * 1000)
     results["sampling_ms_full_sort_top_p"] = statistics.median(times)
     results["sampling_speedup_vs_full_sort"] = results["sampling_ms_full_sort_top_p"] / results["sampling_ms_default"]
+    results.update(measure_sampling_rows(repeats))
+    return results
+
+
+def peaked_rows(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """[R, V] logits shaped like a language model's: a Gaussian bulk and a few dozen tokens well above it, so a
+    top-p of 0.95 keeps tens of tokens (a Gaussian row's nucleus spans thousands: the sort fallback, not the norm)."""
+    x = torch.randn(rows, VOCAB, generator=generator) * 2.0  # [R, V]
+    top = torch.randint(0, VOCAB, (rows, 32), generator=generator)  # [R, 32]
+    return x.scatter_add_(1, top, torch.rand(rows, 32, generator=generator) * 6.0 + 14.0)  # [R, V]
+
+
+def measure_sampling_rows(repeats: int = 200, rows: int = 4) -> dict[str, float]:
+    """One decode step's sampling for `rows` sampled rows: `sample_rows` (rows taken together where it can) against
+    `Sampler.sample` row by row, interleaved in one run, median of each. Default Gemma-4 sampling (top-k 64, top-p
+    0.95) and top-p alone (top-k off: still row by row inside sample_rows, so the two figures should agree)."""
+    from server.sampling.sampler import Sampler, sample_rows
+
+    generator = torch.Generator().manual_seed(1)
+    cases = {"": (SamplingParams(**DEFAULT_SAMPLING), torch.randn(rows, VOCAB, generator=generator) * 3.0),
+             "_top_p": (SamplingParams(temperature=1.0, top_p=0.95), peaked_rows(rows, generator))}
+    results: dict[str, float] = {}
+    for label, (params, logits) in cases.items():
+        together = [Sampler(replace(params, seed=b), VOCAB, [2, 3, 4], 30.0) for b in range(rows)]
+        alone = [Sampler(replace(params, seed=b), VOCAB, [2, 3, 4], 30.0) for b in range(rows)]
+        batched, by_row = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sample_rows(together, logits)
+            batched.append((time.perf_counter() - start) * 1000)
+            start = time.perf_counter()
+            for b, sampler in enumerate(alone):
+                sampler.sample(logits[b])
+            by_row.append((time.perf_counter() - start) * 1000)
+        results[f"sampling_ms_{rows}_rows{label}_batched"] = statistics.median(batched)
+        results[f"sampling_ms_{rows}_rows{label}_by_row"] = statistics.median(by_row)
     return results
 
 
