@@ -57,7 +57,7 @@ class Recording:
         self.inner = NullGraph(host.structure.vocab_size, max_total=max_total, prefill_bucket=bucket,
                                favoured_token=favoured, step_s=step_s, slots=slots, decode_batches=batches)
         for fact in ("max_total", "prefill_bucket", "prefill_buckets", "input_dtype", "vocab_size", "host_softcap",
-                     "slots", "decode_batches", "image_blocks"):
+                     "slots", "decode_batches", "image_blocks", "copies_slots"):
             setattr(self, fact, getattr(self.inner, fact))
         self.name = "recording-null"
         self.log: list[Call] = []
@@ -75,6 +75,9 @@ class Recording:
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.prefill(embeds, positions, 0, **kwargs)
+
+    def copy_slot(self, src: int, dst: int) -> None:  # n > 1: the null graph checks the slots (it holds no KV)
+        self.inner.copy_slot(src, dst)
 
     def rewind(self, position: int) -> int:
         return self.rewind_slot(0, position)
