@@ -138,10 +138,12 @@ def graph_loader(host: Host, settings: Settings | None = None) -> Callable[[], G
 
     def load() -> Graph:
         if kind == "jit":
-            from server.graphs.jit import JitGraph, JitGraphV2, JitGraphV3
+            from server.graphs.jit import JitGraph, JitGraphV2, JitGraphV3, JitGraphV4
 
             path = host.artifacts.graph_file
             assert path is not None
+            if spec.v4:  # v3's protocol; the adapter lends the global layers' KV blocks by need
+                return JitGraphV4(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             if spec.v3:  # protocol v3 natively: the engine's scheduler drives every slot
                 return JitGraphV3(path, spec, vocab_size=structure.vocab_size, final_softcap=structure.final_softcap)
             if spec.v2:
@@ -159,7 +161,7 @@ def graph_loader(host: Host, settings: Settings | None = None) -> Callable[[], G
             words = list(dict.fromkeys(host.tokenizer.encode(NULL_GRAPH_WORDS, add_special_tokens=False)))
             favoured, words = words[0], words[1:]
             # As many KV slots as the artifact's v3 graph would have (else NULL_SLOTS): it serves several at once.
-            slots, batches = (spec.kv_slots, spec.decode_batches) if spec.v3 else (NULL_SLOTS, NULL_DECODE_BATCHES)
+            slots, batches = (spec.kv_slots, spec.decode_batches) if spec.slotted else (NULL_SLOTS, NULL_DECODE_BATCHES)
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
                              input_dtype=DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
                              favoured_token=favoured, text_tokens=words, step_s=null_step_s, slots=slots,

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from server.graphs.base import DTYPES, OneSlotGraph, checked_slots, decode_batch_for
+from server.graphs.blocks import KVBlocks
 from server.model.artifacts import GraphSpec
 from server.vendor.neuron_prelude import prepare_neuron_imports
 
@@ -335,13 +336,14 @@ class JitGraphV3(_CompiledGraph):
         if t == 1:  # one token runs on the decode graph (no bucket of 1); a one-token block sees itself alone
             return self.decode(embeds, positions, [slot], on_submit=on_submit)[:, None]  # [1, 1, V]
         checked_slots([slot], self.slots)
+        tables = self._tables([slot], [int(positions[0, -1]) + 1])  # v4: the slot's blocks (reserved first)
         last = self._last_input(t, bucket, last_only)
         embeds, positions = self._pad_chunk(embeds, positions)  # [1, bucket, H], [1, bucket]
         self._slot_written[slot] = max(self._slot_written[slot], int(positions[0, -1]))  # before: a failed call wrote
         embeds, positions = embeds.to(self.input_dtype), positions.to(torch.int64)
         if on_submit is not None:
             on_submit()
-        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot], *blocks, *last))  # [1, T', V]
+        logits = self._logits(self.module(embeds, positions, self._slot_ids[slot], *tables, *blocks, *last))
         if logits.shape[1] != 1:  # a last-row graph answers [1, 1, V] already
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         return logits if logits.dtype == torch.float32 else logits.float()
@@ -357,6 +359,7 @@ class JitGraphV3(_CompiledGraph):
         if batch is None:
             raise ValueError(f"{rows} rows: the largest compiled decode batch is {max(self.decode_batches)}")
         checked_slots(ids, self.slots)
+        ends = [int(p) + 1 for p in positions[:, 0].tolist()]
         spare = batch - rows
         positions = positions.to(torch.int64)
         if spare:
@@ -368,12 +371,18 @@ class JitGraphV3(_CompiledGraph):
         for slot, position in zip(ids, positions[:, 0].tolist(), strict=True):
             self._slot_written[slot] = max(self._slot_written[slot], position)
         slot_ids = torch.tensor(ids, dtype=torch.int64)  # [batch]
+        tables = self._tables(ids, ends)  # v4: every row's blocks (the spare rows share their real row's)
         embeds = embeds.to(self.input_dtype)
         if on_submit is not None:
             on_submit()
-        logits = self._logits(self.module(embeds, positions, slot_ids))  # [batch, 1, V]
+        logits = self._logits(self.module(embeds, positions, slot_ids, *tables))  # [batch, 1, V]
         logits = logits[:rows, 0]  # [B, V]
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _tables(self, ids: list[int], ends: list[int]) -> tuple[torch.Tensor, ...]:
+        """Inputs after slot_ids for rows `ids` whose real positions end before `ends` (the first len(ends) rows):
+        none in v3 (JitGraphV4: the block table)."""
+        return ()
 
     def rewind_slot(self, slot: int, position: int) -> int:
         """`JitGraphV2.rewind` for one slot: other slots' writes never reach its ring."""
@@ -399,3 +408,38 @@ class JitGraphV3(_CompiledGraph):
 
     def rewind(self, position: int) -> int:
         return self.rewind_slot(0, position)
+
+
+class JitGraphV4(JitGraphV3):
+    """Contract v4 (docs/contract-v4.md): v3's call with `block_table int32 [B, NBc]` after the slot ids.
+
+    Sliding layers keep v3's rings per slot; the global layers' KV is a pool of blocks this adapter lends by need
+    (server/graphs/blocks.py `KVBlocks`): a slot takes blocks as its positions reach them, `rewind_slot` gives back
+    those past where it continues (a newcomer in a slot rewinds it to its kept prefix, so an evicted conversation's
+    blocks return to the pool). Each call runs at the context bucket of its longest row; spare rows share their real
+    row's table (their writes land past its last position or in the null block). The pool refuses (MemoryError)
+    when it is short; the default build (`--kv-blocks` unset) holds every slot at the largest context, so slot
+    admission is enough until the scheduler admits by free blocks (`free_tokens`).
+    """
+
+    def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, final_softcap: float | None,
+                 start_rank: int = 0) -> None:
+        super().__init__(path, spec, vocab_size=vocab_size, final_softcap=final_softcap, start_rank=start_rank)
+        self.pool = KVBlocks(spec.kv_blocks, spec.block_size, spec.context_buckets)
+        # n > 1: v3's copy_slot copies the per-slot states, which here would leave the global layers' blocks behind;
+        # until a copy lends and fills the destination's blocks, a v4 build's choices wait (as without a copy graph).
+        self.copies_slots = False
+
+    def _tables(self, ids: list[int], ends: list[int]) -> tuple[torch.Tensor, ...]:
+        for slot, end in zip(ids, ends, strict=False):  # the real rows (spare rows follow them in `ids`)
+            self.pool.reserve(slot, end)
+        return (self.pool.table(ids, self.pool.context_for(max(ends))),)
+
+    def rewind_slot(self, slot: int, position: int) -> int:
+        start = super().rewind_slot(slot, position)
+        self.pool.truncate(slot, start)
+        return start
+
+    def free_tokens(self) -> int:
+        """Positions the pool could still lend (admission by free KV, for a scheduler that asks)."""
+        return len(self.pool.free) * self.pool.block_size

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from server.graphs.base import checked_slots, decode_batch_for
+from server.graphs.blocks import KVBlocks
 
 # What the null graph "says": common words, each one token in Gemma's vocabulary (the first is greedy's choice).
 NULL_GRAPH_WORDS = (
@@ -36,6 +37,9 @@ ROOFLINE_STEP_S: Mapping[int, float] = {1: 1 / 29.1, 2: 1 / 22.7, 4: 1 / 15.8, 8
 ROOFLINE_PREFILL_S = 1 / 6.0
 # What `serve --graph null` simulates without a v3 artifact: a build of 8 slots, decode batches of 1, 2, 4 and 8.
 NULL_SLOTS, NULL_DECODE_BATCHES = 8, (1, 2, 4, 8)
+# A v4 build's KV read per decode row, per position of its context bucket (docs/contract-v4.md): the 26B's global
+# layers hold 20,480 B per position on each of the 2 ranks, read at the published efficiency (18.6% of 820 GiB/s).
+ROOFLINE_S_PER_POSITION = 2 * 20480 / (0.1861 * 820 * 2**30)
 
 
 class NullGraph:
@@ -47,8 +51,13 @@ class NullGraph:
                  input_dtype: torch.dtype = torch.float32, host_softcap: float | None = None,
                  favoured_token: int | None = None, text_tokens: Sequence[int] = (), seed: int = 0, step_s: float = 0.0,
                  slots: int = 1, decode_batches: Sequence[int] | None = None,
-                 batch_step_s: Mapping[int, float] | None = None) -> None:
+                 batch_step_s: Mapping[int, float] | None = None, kv_pool: KVBlocks | None = None,
+                 s_per_position: float = 0.0) -> None:
         self.slots = slots
+        # v4 (KV paid by need) modelled: a pool of blocks lent per slot as JitGraphV4 does, and a decode step that
+        # waits s_per_position longer per row per position of the call's context bucket (ROOFLINE_S_PER_POSITION).
+        self.pool = kv_pool
+        self.s_per_position = s_per_position
         batches = tuple(sorted(set(decode_batches or (batch_step_s or {}).keys() or (1,))))
         self.decode_batches = tuple(b for b in batches if b <= slots) or (1,)
         self._batch_for = decode_batch_for(self.decode_batches)
@@ -92,6 +101,8 @@ class NullGraph:
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
                 on_submit: Callable[[], None] | None = None) -> torch.Tensor:
         checked_slots([slot], self.slots)
+        if self.pool is not None:
+            self.pool.reserve(slot, int(positions[0, -1]) + 1)
         return self.forward(embeds, positions, last_only=last_only, on_submit=on_submit)  # [1, T, V]
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], *,
@@ -107,13 +118,27 @@ class NullGraph:
         if on_submit is not None:
             on_submit()
         wait = self.batch_step_s.get(batch, self.step_s)
+        if self.pool is not None:
+            ends = [int(p) + 1 for p in positions[:, 0].tolist()]
+            for slot, end in zip(slots, ends, strict=True):
+                self.pool.reserve(int(slot), end)
+            wait += self.s_per_position * batch * self.pool.context_for(max(ends))
         if wait > 0:
             time.sleep(wait)
         return self._last[0].expand(rows, -1)  # [B, V] (a view)
 
     def rewind_slot(self, slot: int, position: int) -> int:
         checked_slots([slot], self.slots)
+        if self.pool is not None:
+            self.pool.truncate(slot, position)
         return position
+
+    def free_tokens(self) -> int | None:
+        """Positions a modelled v4 pool could still lend (None: no pool, KV by slot)."""
+        return None if self.pool is None else len(self.pool.free) * self.pool.block_size
 
     def copy_slot(self, src: int, dst: int) -> None:
         checked_slots([src, dst], self.slots)
+        if self.pool is not None:  # a modelled v4 pool: dst holds as many blocks as src (its own, lent now)
+            self.pool.release(dst)
+            self.pool.reserve(dst, len(self.pool.rows.get(src, ())) * self.pool.block_size)

@@ -41,7 +41,8 @@ IMAGE_PROCESSOR_FILES = (PREPROCESSOR_FILE, PROCESSOR_FILE)
 CONTRACT = "gemma4-optb/v1"  # the published build: the host ships one-hot write slots and masks
 CONTRACT_V2 = "gemma4-optb/v2"  # embeds + positions; the graph owns its KV rings, masks and write slots
 CONTRACT_V3 = "gemma4-optb/v3"  # v2 with S KV slots (slot ids in) and decode graphs over several rows
-CONTRACTS = (CONTRACT, CONTRACT_V2, CONTRACT_V3)
+CONTRACT_V4 = "gemma4-optb/v4"  # v3 with the global layers' KV in a block pool read through per-row block tables
+CONTRACTS = (CONTRACT, CONTRACT_V2, CONTRACT_V3, CONTRACT_V4)
 # What `fetch` takes from a Hub repo: the artifacts and nothing else (no hf/ checkpoint: 50 GB we never read).
 ALLOW_PATTERNS = (f"{CFG_DIR}/*", *EMBED_FILES, *GRAPH_FILES, GRAPH_JSON, "weights/*.safetensors",
                   "vision.pt", "vision_neff.pt", "weights/vision/*.safetensors",  # the --vision tower's graph
@@ -122,6 +123,9 @@ class GraphSpec:
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes, ascending
     block_ids: bool = False  # v2/v3 --vision: the prefill graphs take image-block ids [1, T] (graph.json `block_ids`)
     vision: VisionSpec | None = None  # a --vision build's tower (graph.json `vision`)
+    kv_blocks: int = 0  # v4: blocks in the global layers' pool (block 0 the null block)
+    block_size: int = 0  # v4: positions per block
+    context_buckets: tuple[int, ...] = ()  # v4: contexts a graph is compiled for (tokens per row's table)
     # v2/v3 last-row builds (issue 34, graph.json `prefill_logits: "last"`): the prefill graphs take last_index [1]
     # and return that row's logits [1, 1, V]; the score graphs (`score_buckets`) return every row. Absent, as in
     # every graph.json written before them: every prefill graph returns every row.
@@ -140,6 +144,15 @@ class GraphSpec:
     def v3(self) -> bool:
         return self.contract == CONTRACT_V3
 
+    @property
+    def v4(self) -> bool:
+        return self.contract == CONTRACT_V4
+
+    @property
+    def slotted(self) -> bool:
+        """v3 and v4: KV slots and decode batches (v4 adds the block pool)."""
+        return self.contract in (CONTRACT_V3, CONTRACT_V4)
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GraphSpec:
         if not isinstance(data, dict):
@@ -151,7 +164,7 @@ class GraphSpec:
                                   " rebuild the graph with the vendored recipe or update the server")
         buckets = tuple(sorted({int(b) for b in data.get("prefill_buckets") or ()}))
         window = data.get("sliding_window")
-        v3 = contract == CONTRACT_V3
+        v3 = contract in (CONTRACT_V3, CONTRACT_V4)
         slots = (data.get("ring_slots" if v3 else "kv_slots") or {}).get("sliding_attention")
         spec = cls(
             max_total=int(data.get("max_total", default.max_total)),
@@ -170,6 +183,10 @@ class GraphSpec:
             decode_batches=tuple(sorted({int(b) for b in data.get("decode_batches") or (1,)})) if v3 else (1,),
             block_ids=bool(data.get("block_ids")),
             vision=VisionSpec.from_json(data["vision"]) if data.get("vision") else None,
+            kv_blocks=int(data.get("kv_blocks", 0)) if contract == CONTRACT_V4 else 0,
+            block_size=int(data.get("block_size", 0)) if contract == CONTRACT_V4 else 0,
+            context_buckets=tuple(sorted({int(c) for c in data.get("context_buckets") or ()}))
+            if contract == CONTRACT_V4 else (),
             last_logits=data.get("prefill_logits", "all") == "last",
             score_buckets=tuple(sorted({int(b) for b in data.get("score_buckets") or ()})),
         )
@@ -181,14 +198,19 @@ class GraphSpec:
             raise ValueError(f"weights must be 'inside', or 'separate' with weight_files, got {spec.weights!r}")
         if spec.v2 and (spec.sliding_window is None) != (spec.sliding_slots is None):
             raise ValueError("a v2 graph with a sliding window records kv_slots.sliding_attention too")
-        if spec.v3 and (spec.sliding_window is None) != (spec.sliding_slots is None):
+        if spec.slotted and (spec.sliding_window is None) != (spec.sliding_slots is None):
             raise ValueError("a v3 graph with a sliding window records ring_slots.sliding_attention too")
+        if spec.v4 and (spec.kv_blocks < 2 or spec.block_size < 1 or not spec.context_buckets
+                        or any(c % spec.block_size for c in spec.context_buckets)
+                        or max(spec.context_buckets) != spec.max_total):
+            raise ValueError("a v4 graph records kv_blocks >= 2, block_size and context_buckets (multiples of it, "
+                             f"the largest max_total), got {spec.kv_blocks}, {spec.block_size}, {spec.context_buckets}")
         if data.get("prefill_logits", "all") not in ("all", "last"):
             raise ValueError(f"prefill_logits must be 'all' or 'last', got {data.get('prefill_logits')!r}")
         if spec.last_logits and (not (spec.v2 or spec.v3) or spec.score_buckets != (min(spec.buckets),)):
             raise ValueError("a v2/v3 graph with prefill_logits 'last' records its score graph at the smallest prefill "
                              f"bucket (score_buckets [{min(spec.buckets)}]), got {list(spec.score_buckets)}")
-        if spec.v3 and not 1 <= min(spec.decode_batches) <= max(spec.decode_batches) <= spec.kv_slots:
+        if spec.slotted and not 1 <= min(spec.decode_batches) <= max(spec.decode_batches) <= spec.kv_slots:
             raise ValueError(f"need 1 <= decode batches <= kv_slots, got {spec.decode_batches}, {spec.kv_slots}")
         return spec
 
@@ -206,7 +228,10 @@ class GraphSpec:
             record.update(prefill_buckets=list(self.buckets), sliding_window=self.sliding_window,
                           kv_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
                           weight_files=list(self.weight_files))
-        if self.v3:
+        if self.v4:
+            record.update(kv_blocks=self.kv_blocks, block_size=self.block_size,
+                          context_buckets=list(self.context_buckets))
+        if self.slotted:
             record.update(prefill_buckets=list(self.buckets), sliding_window=self.sliding_window,
                           ring_slots={"sliding_attention": self.sliding_slots}, weights=self.weights,
                           weight_files=list(self.weight_files), kv_slots=self.kv_slots,

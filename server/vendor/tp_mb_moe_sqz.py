@@ -45,6 +45,17 @@ reading and writing only slot ``slot_ids[b]`` at its own position, with its own 
 ``kv_slots`` map, renamed: ``kv_slots`` is S here) and every cache shape. A batch the host rounds up to a compiled
 size fills its spare rows without touching another slot (graphs/jit.py ``JitGraphV3``).
 
+Contract v4 ("gemma4-optb/v4", ``--contract v4 --kv-blocks NB --block-size BS --context-buckets 4096,...``), KV
+paid by need (issue 34; docs/contract-v4.md):
+
+    model(inputs_embeds, position_ids, slot_ids int64 [B], block_table int32 [B,NBc]) -> (logits f32 [B,T,V], *kv)
+
+Sliding layers keep v3's per-row rings (``slot_ids``); global layers keep one pool [NB, kv_heads, BS, D] per layer,
+row b's position p in block ``block_table[b, p // BS]`` (``BlockCache``, ``table_mask``; block 0 is the null block
+pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). ``--slot-table`` and
+``--roofline`` with ``--contract v4`` project the issue's conversation mixes and the decode cost by context.
+Reports without ``--config`` use the 26B-A4B's own text config (``CONFIG_26B``).
+
 Images (``--vision``, v2/v3; issue 27). Two additions:
 
     prefill: model(inputs_embeds, position_ids[, slot_ids], block_ids int64 [1,T]) -> as above   (decode unchanged)
@@ -111,6 +122,7 @@ from torch import nn
 CONTRACT = "gemma4-optb/v1"
 CONTRACT_V2 = "gemma4-optb/v2"
 CONTRACT_V3 = "gemma4-optb/v3"
+CONTRACT_V4 = "gemma4-optb/v4"
 # Per-rank weight files of a --weights separate build: NxD's own names (ModelBuilder.shard_checkpoint writes them).
 RANK_WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 # Host-side files the server needs next to the graph; copied when the checkpoint has them.
@@ -126,6 +138,17 @@ CFG_FILES = (
     # The image processor's settings: a --vision build's server reads images with them (the host's processor).
     "preprocessor_config.json",
 )
+# The Gemma-4 26B-A4B text config (the published build's shapes; server/tools/bench/host.py keeps the same, a test
+# holds them equal): the reports' config when none is given.
+CONFIG_26B: dict = {
+    "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112,
+    "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "global_head_dim": 512, "num_global_key_value_heads": 2, "sliding_window": 1024,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "attention_k_eq_v": True, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+}
 COMPONENTS = ("experts", "attention", "shared_mlp", "lm_head", "other", "kv_cache")
 QUANT_MODES = ("int8", "none")
 EXPERT_MODES = ("dense", "selective")
@@ -201,13 +224,17 @@ def check_slots(plan: Plan) -> None:
     up to the largest prefill bucket (Plan.ring_slots), so no decode batch may exceed that bucket either.
     """
     batches = tuple(plan.decode_batches)
-    if plan.contract != "v3":
+    if plan.contract not in ("v3", "v4"):
         if plan.kv_slots != 1 or batches != (1,):
-            raise ValueError("--kv-slots and --decode-batches need --contract v3")
+            raise ValueError("--kv-slots and --decode-batches need --contract v3 or v4")
         if plan.kv_int8:
-            raise ValueError("--kv-quant int8 needs --contract v3")
+            raise ValueError("--kv-quant int8 needs --contract v3 or v4")
+        if plan.kv_blocks or plan.context_buckets:
+            raise ValueError("--kv-blocks and --context-buckets need --contract v4")
         return
     problems = []
+    if plan.contract == "v4":
+        problems += check_blocks(plan)
     if plan.kv_slots < 1:
         problems.append(f"kv_slots must be >= 1, got {plan.kv_slots}")
     if not batches or list(batches) != sorted(set(batches)) or batches[0] < 1:
@@ -218,7 +245,27 @@ def check_slots(plan: Plan) -> None:
         problems.append(f"decode batch {batches[-1]} exceeds the largest prefill bucket {max(plan.buckets)} "
                         "(padded rows write ahead of a real row; the ring holds that many positions)")
     if problems:
-        raise ValueError("unsupported v3 plan: " + "; ".join(problems))
+        raise ValueError(f"unsupported {plan.contract} plan: " + "; ".join(problems))
+
+
+def check_blocks(plan: Plan) -> list[str]:
+    """v4's block pool: what is wrong with it (nothing: []). Block 0 is the null block (pads and spare rows write
+    there past a row's own blocks; no row owns it), so a pool needs one block more than it lends."""
+    problems = []
+    contexts = tuple(plan.context_buckets)
+    if plan.block_size < 1:
+        problems.append(f"block_size must be >= 1, got {plan.block_size}")
+    elif not contexts or list(contexts) != sorted(set(contexts)):
+        problems.append(f"context buckets must be distinct sizes in ascending order, got {contexts}")
+    elif any(c % plan.block_size for c in contexts):
+        problems.append(f"every context bucket must be a multiple of the block size {plan.block_size}, got {contexts}")
+    elif contexts[-1] != plan.max_total:
+        problems.append(f"the largest context bucket {contexts[-1]} must be max_total {plan.max_total}")
+    if plan.kv_blocks < 2:
+        problems.append(f"kv_blocks must be >= 2 (block 0 is the null block), got {plan.kv_blocks}")
+    if plan.block_ids:
+        problems.append("image-block ids (--vision) are not built for --contract v4 yet")
+    return problems
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -696,6 +743,71 @@ class SlotRingCache:
         return out[0], out[1]
 
 
+class BlockCache(SlotRingCache):
+    """v4's ``cache`` object: sliding layers as v3 (row b's ring in slot ``slot_ids[b]``), global layers in one pool.
+
+    A global layer's K and V are [NB, kvh_l, BS, D]: NB blocks of BS positions, lent to rows by the host. Row b's
+    position p lives in block ``block_table[b, p // BS]`` at offset p mod BS. A call writes its B * T tokens with one
+    indexed copy into the flattened [NB * kvh_l * BS, D] view and reads, per row, the NBc blocks its table names
+    (``index_select``), in table order: the gathered key j is position j, so the mask is plain causal
+    (``table_mask``). The table's width NBc is the graph's context bucket: a row reads NBc * BS positions of its own
+    blocks, never another row's (the host never lends a block twice; entries past a row's length name block 0).
+
+    Block 0 is the null block: a position past the table's reach (a chunk's pads beyond the context bucket) or one
+    whose entry is 0 (past the row's own blocks) is written there, where no row's visible position lives. It is
+    read only as a table's padding, under the causal mask (a position past the query).
+    """
+
+    def __init__(self, model: RecipeModel, position_ids: torch.Tensor, slot_ids: torch.Tensor,
+                 block_table: torch.Tensor) -> None:
+        super().__init__(model, position_ids, slot_ids)
+        self.block_table = block_table.to(torch.int64)  # [B, NBc]
+        self.block_rows: dict[int, torch.Tensor] = {}  # kv heads -> flat write rows [B * kvh * T]
+
+    def _pool_rows(self, heads: int) -> torch.Tensor:
+        if heads not in self.block_rows:
+            size = self.model.plan.block_size
+            pos = self.position_ids  # [B, T]
+            index = torch.div(pos, size, rounding_mode="floor")  # [B, T] the table entry of each token
+            # The entry by comparison, not gather: an index past the table's width matches no column and gives 0,
+            # the null block; and every size comes from the inputs, so one trace serves every context bucket.
+            columns = torch.arange(self.block_table.shape[1], device=pos.device, dtype=pos.dtype)  # [NBc]
+            hit = (index[:, :, None] == columns[None, None, :]).to(pos.dtype)  # [B, T, NBc]
+            block = (hit * self.block_table[:, None, :]).sum(dim=-1)  # [B, T]
+            head = torch.arange(heads, device=pos.device, dtype=pos.dtype)  # [kvh]
+            rows = (block[:, None, :] * heads + head[None, :, None]) * size + torch.remainder(pos, size)[:, None, :]
+            self.block_rows[heads] = rows.reshape(-1)  # [B * kvh * T] in (b, h, t) order
+        return self.block_rows[heads]
+
+    def _write(self, layer_idx: int, name: str, new: torch.Tensor) -> torch.Tensor:
+        if self.model.layer_types[layer_idx] != "full_attention":
+            return super()._write(layer_idx, name, new)
+        state = getattr(self.model.layers[layer_idx].self_attn, name)  # [NB, kvh_local, BS, width]
+        blocks, heads, size, width = state.shape
+        rows = self._pool_rows(heads)
+        new = new.to(state.dtype)
+        if self.model.plan.inplace_kv:
+            state.view(-1, width).index_copy_(0, rows, new)
+            updated = state
+        else:
+            updated = state.reshape(-1, width).index_copy(0, rows, new).view(blocks, heads, size, width)
+        self.new_states[f"layers.{layer_idx}.self_attn.{name}"] = updated
+        b, nbc = self.block_table.shape
+        gathered = updated.index_select(0, self.block_table.reshape(-1))  # [B * NBc, kvh, BS, width]
+        return gathered.view(b, nbc, heads, size, width).transpose(1, 2).reshape(b, heads, -1, width)
+
+
+def table_mask(position_ids: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """v4 global layers: [B, T] positions, [B, NBc] tables -> f32 [B, 1, T, NBc * BS], 0 where gathered key j
+    (= position j) <= the query's position, else finfo.min."""
+    pos = position_ids
+    columns = torch.arange(block_table.shape[1], device=pos.device, dtype=pos.dtype)  # [NBc]
+    offsets = torch.arange(block_size, device=pos.device, dtype=pos.dtype)  # [BS]
+    j = (columns[:, None] * block_size + offsets[None, :]).reshape(-1)  # [NBc * BS]
+    visible = j[None, None, :] <= position_ids[:, :, None]  # [B, T, keys]
+    return torch.where(visible, 0.0, torch.finfo(torch.float32).min).to(torch.float32)[:, None]
+
+
 def ring_mask(position_ids: torch.Tensor, ring: int, window: int | None,
               block_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] positions -> f32 [B, 1, T, R]: 0 where slot j holds a position the query may see, else finfo.min.
@@ -817,6 +929,11 @@ class Plan:
     decode_batches: tuple[int, ...] = (1,)  # v3: compiled decode batch sizes (rows per step)
     kv_quant: str = "none"  # v3 "int8": K and V int8 per (slot, head, position) with an f32 scale, opt-in
     block_ids: bool = False  # v2/v3 (--vision): prefill takes image-block ids [1, T] after its other inputs
+    # v4: the global layers' KV in one pool of kv_blocks blocks of block_size positions ([NB, kvh, BS, D] per layer),
+    # read through a block table per row; a graph per context bucket (tokens each row's table covers).
+    kv_blocks: int = 0
+    block_size: int = 128
+    context_buckets: tuple[int, ...] = ()
     vision_tp: str = "auto"  # --vision's tower: "auto" (sharded iff it frees enough bytes), "sharded", "replicated"
     # v2/v3 (issue 34): "last": prefill graphs take last_index [1] and return that row's logits [1, 1, V]; a scored
     # prompt runs the score graph (all rows' logits) at the smallest bucket. "all": every row, as before.
@@ -833,8 +950,18 @@ class Plan:
 
     @property
     def ringed(self) -> bool:
-        """v2 and v3 keep rings and build their masks in the graph."""
-        return self.contract in ("v2", "v3")
+        """v2, v3 and v4 keep rings (v4: on sliding layers) and build their masks in the graph."""
+        return self.contract in ("v2", "v3", "v4")
+
+    @property
+    def slotted(self) -> bool:
+        """v3 and v4 keep S per-row sliding caches (slot_ids) and decode several rows per call."""
+        return self.contract in ("v3", "v4")
+
+    @property
+    def pooled(self) -> bool:
+        """v4: global layers' KV in a block pool (BlockCache), a block table per row."""
+        return self.contract == "v4"
 
     def ring_slots(self, window: int | None) -> int:
         """v2 KV slots of a layer: a ring of window + largest bucket (sliding), MAX + largest bucket (global).
@@ -855,6 +982,8 @@ class Plan:
         """Prefill graphs return the last real row's logits only (and a score graph serves scored prompts)."""
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ValueError(f"prefill_logits must be one of {PREFILL_LOGITS}, got {self.prefill_logits!r}")
+        if self.prefill_logits == "last" and self.pooled:
+            raise ValueError("contract v4's prefill graphs return every row (prefill_logits 'all'); 'last' is v2/v3's")
         return self.prefill_logits == "last"
 
     @property
@@ -906,7 +1035,7 @@ class RecipeModel(nn.Module):
         self.layer_types = list(cfg.layer_types)
         self.state_names: list[str] = []
         self.ring_sizes: list[int] = []  # KV slots per layer
-        if plan.contract not in ("v1", "v2", "v3"):
+        if plan.contract not in ("v1", "v2", "v3", "v4"):
             raise ValueError(f"unknown contract {plan.contract!r}")
         check_slots(plan)
         if plan.block_ids and not plan.ringed:
@@ -945,13 +1074,18 @@ class RecipeModel(nn.Module):
             local_kv = kv_heads // tp if sharded else kv_heads
             # v1: slot = absolute position (MAX slots); v2: a ring per layer (Plan.ring_slots); v3: S such rings
             n_slots = plan.ring_slots(self.window_of(idx)) if plan.ringed else plan.max_total
+            caches = plan.kv_slots if plan.slotted else 1
+            if plan.pooled and not attn.is_sliding:
+                # v4 global layers: [NB, kvh, BS, D], the pool's blocks lent to rows by their block tables
+                caches, n_slots = plan.kv_blocks, plan.block_size
             self.ring_sizes.append(n_slots)
+            if plan.query_tile and plan.pooled:
+                raise ValueError("--query-tile is v2/v3's (a v4 global layer reads its block table untiled)")
             if plan.query_tile and not attn.is_sliding:
                 # Global layers: their ring is the whole context (sliding ones are bounded by window + bucket).
                 attn.query_tile = plan.query_tile
                 attn.query_rows = max(plan.buckets)  # the most rows a prefill call has (the CPU trace's loop)
                 attn.ring_window = self.window_of(idx)
-            caches = plan.kv_slots if plan.contract == "v3" else 1
             # --kv-quant int8 (v3): K and V as int8 with one f32 scale per (slot, head, ring position)
             states = [(name, attn.head_dim, torch.int8 if plan.kv_int8 else dtype) for name in ("k_cache", "v_cache")]
             if plan.kv_int8:
@@ -1042,9 +1176,12 @@ class RecipeModel(nn.Module):
         if self.plan.ringed:
             block_ids = None
             extra = list(contract_inputs)
-            if self.plan.contract == "v3":
+            if self.plan.pooled:
+                slot_ids, block_table = extra.pop(0), extra.pop(0)  # [B] int64 (sliding rings), [B, NBc] int32
+                cache: SlotCache | RingCache | SlotRingCache = BlockCache(self, position_ids, slot_ids, block_table)
+            elif self.plan.contract == "v3":
                 slot_ids = extra.pop(0)  # [B] int64
-                cache: SlotCache | RingCache | SlotRingCache = SlotRingCache(self, position_ids, slot_ids)
+                cache = SlotRingCache(self, position_ids, slot_ids)
             else:
                 cache = RingCache(self, position_ids)
             if self.plan.block_ids and inputs_embeds.shape[1] > 1 and extra:
@@ -1053,6 +1190,8 @@ class RecipeModel(nn.Module):
                 (last_index,) = extra
             masks: dict[str, torch.Tensor | None] = {}
             for idx, layer_type in enumerate(self.layer_types):
+                if layer_type not in masks and self.plan.pooled and layer_type == "full_attention":
+                    masks[layer_type] = table_mask(position_ids, block_table, self.plan.block_size)
                 if layer_type not in masks:  # every layer of a type has the same ring and window
                     if getattr(self.layers[idx].self_attn, "query_tile", 0) and inputs_embeds.shape[1] > 1:
                         assert layer_type not in self.bidirectional, "a tiled layer is causal (global layers are)"
@@ -1265,12 +1404,13 @@ def contract_inputs(
 
 def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1", batch: int = 1,
                    slot_ids: list[int] | None = None, blocks: bool = False,
-                   last: bool = False) -> tuple[torch.Tensor, ...]:
+                   blocks_of: tuple[int, int] | None = None, last: bool = False) -> tuple[torch.Tensor, ...]:
     """One graph's inputs: T tokens from `start` (v3: B rows, row r at start - 3r, in slot_ids or 0..B-1).
 
     `blocks` (a block-aware prefill, T > 1): block_ids [1, T] after the rest, an image block of T // 2 tokens in the
     middle. `last` (a last-row prefill): last_index [1] at the very end, a row that moves with `start` (a chunk's
-    last real row is anywhere in the bucket)."""
+    last real row is anywhere in the bucket). v4: `max_total` is the graph's context bucket and `blocks_of` (pool
+    blocks, block size) sizes the block table."""
     embeds = torch.randn(batch, t, cfg.hidden_size) * 0.02 * cfg.hidden_size**0.5  # [B, T, H]
     offsets = torch.clamp(start - 3 * torch.arange(batch), min=0)  # [B] distinct rows sit at distinct positions
     positions = offsets[:, None] + torch.arange(t, dtype=torch.int64)  # [B, T]
@@ -1281,12 +1421,56 @@ def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1"
         extra = (block_ids,)
     if last and t > 1:
         extra = (*extra, torch.tensor([t - 1 if start == 0 else t // 2], dtype=torch.int64))  # [1]
-    if contract == "v3":
+    if contract in ("v3", "v4"):
         slots = torch.tensor(slot_ids if slot_ids is not None else list(range(batch)), dtype=torch.int64)  # [B]
+        if contract == "v4":
+            return embeds.float(), positions, slots, example_table(slots, max_total, blocks_of or (2, 1))
         return embeds.float(), positions, slots, *extra
     if contract == "v2":
         return embeds.float(), positions, *extra  # v2 builds masks and write slots inside the graph
     return contract_inputs(embeds, positions, max_total, cfg.sliding_window)
+
+
+def example_table(slots: torch.Tensor, context: int, blocks_of: tuple[int, int]) -> torch.Tensor:
+    """v4: int32 [B, context / BS] block tables for rows in `slots`: row b's blocks are distinct from every other
+    row's (taken in turn from 1.., wrapping round the pool's NB - 1 lendable blocks) and start at an offset set by its
+    slot, so calls with other slots read other blocks in another order."""
+    pool, size = blocks_of
+    width = max(context // size, 1)
+    lendable = max(pool - 1, 1)
+    first = slots.to(torch.int64)[:, None] * width + torch.arange(width)[None, :]  # [B, NBc]
+    return (1 + torch.remainder(first, lendable)).to(torch.int32)
+
+
+def v4_graphs(plan: Plan) -> list[tuple[str, int, int, int, int]]:
+    """v4: (key, T, start, B, context) per graph: each prefill bucket and each decode batch at each context bucket
+    ("prefill_512_c8192", "decode_4_c65536"). The example starts inside its context bucket."""
+    graphs = []
+    for context in plan.context_buckets:
+        for b in plan.buckets:
+            graphs.append((f"prefill_{b}_c{context}", b, 0, 1, context))
+        start = min(max(plan.buckets), context - 1)
+        graphs += [(f"decode_{b}_c{context}", 1, start, b, context) for b in plan.decode_batches]
+    return graphs
+
+
+def graph_example(cfg, plan: Plan, graph: tuple[str, int, int, int, int], start: int | None = None,
+                  slot_ids: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """The example inputs of one of `plan`'s graphs (graph_keys / v4_graphs entries)."""
+    key, t, default_start, batch, context = graph
+    first = default_start if start is None else start
+    if plan.pooled:
+        return example_inputs(cfg, t, first, context, plan.contract, batch, slot_ids,
+                              blocks_of=(plan.kv_blocks, plan.block_size))
+    return example_inputs(cfg, t, first, plan.max_total, plan.contract, batch, slot_ids, plan.block_ids,
+                          last=takes_last_index(plan, key))
+
+
+def all_graphs(plan: Plan) -> list[tuple[str, int, int, int, int]]:
+    """(key, T, start, B, context) of every graph of `plan`: graph_keys with the context (MAX but for v4)."""
+    if plan.pooled:
+        return v4_graphs(plan)
+    return [(key, t, start, b, plan.max_total) for key, t, start, b in graph_keys(plan)]
 
 
 def graph_keys(plan: Plan) -> list[tuple[str, int, int, int]]:
@@ -1299,6 +1483,8 @@ def graph_keys(plan: Plan) -> list[tuple[str, int, int, int]]:
     if plan.contract == "v1":
         (bucket,) = plan.buckets
         return [("prefill", bucket, 0, 1), ("decode", 1, bucket, 1)]
+    if plan.pooled:
+        return [(key, t, start, b) for key, t, start, b, _ in v4_graphs(plan)]
     prefill = [(f"prefill_{b}", b, 0, 1) for b in plan.buckets]
     prefill += [(f"score_{b}", b, 0, 1) for b in plan.score_buckets]  # a last-row build's scored prompts
     if plan.contract == "v3":
@@ -1349,19 +1535,24 @@ def residency(
     kv_slots: int = 1,
     decode_batches: tuple[int, ...] = (1,),
     kv_quant: str = "none",
+    kv_blocks: int = 0,
+    block_size: int = 128,
+    context_buckets: tuple[int, ...] = (),
     prefill_logits: str | None = None,
     query_tile: int | None = None,
 ) -> dict[str, int]:
-    """Device bytes held by one rank, per component (every rank holds the same amount).
+    """Device bytes held by one rank, per component (every rank holds the same amount). v4: `kv_blocks` blocks of
+    `block_size` positions in the global layers' pool and `kv_slots` sliding rings (one per running row).
 
-    `prefill_logits` / `query_tile` default to what a build of `contract` gets (v1: "all" rows, untiled; v2/v3:
-    "last" and DEFAULT_QUERY_TILE), so the scratch counted is the scratch the build's graphs hold."""
+    `prefill_logits` / `query_tile` default to what a build of `contract` gets (v1 and v4: "all" rows, untiled;
+    v2/v3: "last" and DEFAULT_QUERY_TILE), so the scratch counted is the scratch the build's graphs hold."""
     from accelerate import init_empty_weights
 
     ringed = contract in ("v2", "v3")
     plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False,
                 contract=contract, buckets=tuple(buckets), attn_quant=attn_quant, kv_slots=kv_slots,
-                decode_batches=tuple(decode_batches), kv_quant=kv_quant,
+                decode_batches=tuple(decode_batches), kv_quant=kv_quant, kv_blocks=kv_blocks, block_size=block_size,
+                context_buckets=tuple(context_buckets or ((max_total,) if contract == "v4" else ())),
                 prefill_logits=prefill_logits or ("last" if ringed else "all"),
                 query_tile=(DEFAULT_QUERY_TILE if ringed else 0) if query_tile is None else query_tile)
     with init_empty_weights(include_buffers=True):
@@ -1376,14 +1567,47 @@ def residency(
         sizes[component_of(name, states)] += t.numel() * t.element_size()
     sizes["total"] = sum(sizes[c] for c in COMPONENTS)
     sizes.update(prefill_scratch(text_config, plan, model))
-    if contract == "v3":
+    if plan.slotted:
         # A decode step of the largest batch gathers its rows' slots of one layer at a time ([B, kvh, R, D], K and
         # V; the compiler may stream it instead) and returns f32 logits [B, V].
         rows = max(plan.decode_batches)
+        widen = torch.finfo(dtype).bits // 8 if plan.kv_int8 else 1  # int8 KV is read back widened
+        if plan.pooled:
+            # v4: one global layer's gathered blocks (K and V) for the call's rows, at most the lent blocks (the host
+            # groups rows by context bucket: a call's rows read their own bucket's blocks), or the rows' sliding rings.
+            per_row = kv_bytes_per_row(model)
+            keys = min(rows * max_total, (plan.kv_blocks - 1) * plan.block_size)
+            gathered = max(rows * per_row["sliding_layer"], keys * per_row["global_per_token_layer"])
+            sizes["decode_scratch_estimate"] = gathered * widen + rows * 4 * text_config.vocab_size
+            return sizes
         per_slot_layer = max(t.numel() * t.element_size() for t in model.state_tensors()) // plan.kv_slots
-        per_slot_layer = per_slot_layer * (torch.finfo(dtype).bits // 8 if plan.kv_int8 else 1)  # read back widened
+        per_slot_layer = per_slot_layer * widen
         sizes["decode_scratch_estimate"] = rows * (2 * per_slot_layer + 4 * text_config.vocab_size)
     return sizes
+
+
+def kv_bytes_per_row(model: RecipeModel) -> dict[str, int]:
+    """Per rank, from the model's KV states: one row's sliding rings (all sliding layers, and the largest one layer
+    holds), and a global position's K/V (all global layers, and one layer's). v4 pays the first per running row and
+    the second per position a row holds; v3 pays both for MAX positions per slot."""
+    out = {"sliding": 0, "sliding_layer": 0, "global_per_token": 0, "global_per_token_layer": 0}
+    per_layer: dict[int, list[int]] = {}
+    for name, t in zip(model.state_names, model.state_tensors(), strict=True):
+        idx = int(name.split(".")[1])
+        nbytes = t.numel() * t.element_size()
+        if model.layer_types[idx] == "full_attention":
+            # v4: [NB, kvh, BS, D], NB * BS positions; v1-v3: [S, kvh, R, D], R positions per slot
+            positions = t.shape[0] * t.shape[2] if model.plan.pooled else t.shape[2]
+            nbytes = nbytes if model.plan.pooled else nbytes // t.shape[0]
+            per_layer.setdefault(idx, [0, 0])[1] += nbytes // positions
+        else:
+            per_layer.setdefault(idx, [0, 0])[0] += nbytes // t.shape[0]
+    for sliding, per_token in per_layer.values():
+        out["sliding"] += sliding
+        out["sliding_layer"] = max(out["sliding_layer"], sliding)
+        out["global_per_token"] += per_token
+        out["global_per_token_layer"] = max(out["global_per_token_layer"], per_token)
+    return out
 
 
 def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, int]:
@@ -1404,6 +1628,8 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
     cfg = text_config
     heads = int(cfg.num_attention_heads)
     global_slots = plan.ring_slots(None) if plan.ringed else plan.max_total
+    if plan.pooled:
+        global_slots = plan.max_total  # v4: a prefill of the largest context bucket gathers that many keys per layer
     window = int(cfg.sliding_window) if cfg.sliding_window else None
     sliding_slots = plan.ring_slots(window) if plan.ringed else plan.max_total
     sliding_heads = heads // plan.tp if plan.tp > 1 else heads
@@ -1471,6 +1697,76 @@ def slot_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
                     row["max_slots"] = s
             table["rows"].append(row)
     return table
+
+
+# v4's projection (issue 34): conversation mixes by need, the issue's two first (an agent's 64k; a 32k agent beside
+# three 4k chats), then v3's 4 x 8k and 8 x 4k for comparison, two 32k agents, and a 128k one.
+POOL_MIXES = ((65536,), (32768, 4096, 4096, 4096), (8192,) * 4, (4096,) * 8, (32768, 32768), (131072,))
+POOL_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # context buckets a v4 build compiles (up to its largest)
+PREFILL_BOUND = 350 * 10**6  # issue 34: prefill scratch at 32k <= 0.35 GB per rank (the bounded-scratch graphs)
+POOL_BLOCK = 128  # positions per block: one DMA of 128 x 512 x 2 B = 128 KiB per K or V head on the 26B
+
+
+def pool_plan_sizes(lengths: Iterable[int], block_size: int = POOL_BLOCK) -> tuple[int, tuple[int, ...]]:
+    """(pool blocks, context buckets) of a v4 build that holds conversations of `lengths` tokens at once: each one
+    ceil(L / BS) blocks, plus the null block; the buckets up to the smallest standard one holding the longest."""
+    lengths = list(lengths)
+    blocks = 1 + sum(-(-n // block_size) for n in lengths)
+    top = next((c for c in POOL_CONTEXTS if c >= max(lengths)), max(lengths))
+    return blocks, tuple(c for c in POOL_CONTEXTS if c < top) + (top,)
+
+
+def pool_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decode_batches: tuple[int, ...] = (1, 2, 4),
+               mixes: Iterable[tuple[int, ...]] = POOL_MIXES, kv_quant: str = "none",
+               block_size: int = POOL_BLOCK) -> dict:
+    """v4 by need: per attention mode and conversation mix, per-rank bytes (resident + the larger scratch) of a pool
+    sized for exactly that mix, and v3's bytes for the same rows (every slot as long as the longest)."""
+    table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
+                   "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets),
+                   "block_size": block_size, "rows": []}
+    for attn_quant in QUANT_MODES:
+        for mix in mixes:
+            blocks, contexts = pool_plan_sizes(mix, block_size)
+            batches = tuple(b for b in decode_batches if b <= len(mix))
+            common = dict(buckets=buckets, attn_quant=attn_quant, kv_slots=len(mix), decode_batches=batches,
+                          kv_quant=kv_quant)
+            sizes = residency(text_config, tp, quant, contexts[-1], contract="v4", kv_blocks=blocks,
+                              block_size=block_size, context_buckets=contexts, **common)
+            v3 = residency(text_config, tp, quant, max(mix), contract="v3", **common)
+            scratch = max(sizes["prefill_scratch_estimate"], sizes["decode_scratch_estimate"])
+            table["rows"].append({
+                "attn_quant": attn_quant, "conversations": list(mix), "kv_blocks": blocks, "context_buckets": list(contexts),
+                "kv_cache": sizes["kv_cache"], "resident": sizes["total"],
+                "prefill_scratch_estimate": sizes["prefill_scratch_estimate"],
+                "decode_scratch_estimate": sizes["decode_scratch_estimate"],
+                "bytes": sizes["total"] + scratch, "fits": fits_core(sizes),
+                # the same with the prefill scratch held to issue 34's bound (last-position logits, query tiles)
+                "bytes_bounded_prefill": sizes["total"] + max(min(sizes["prefill_scratch_estimate"], PREFILL_BOUND),
+                                                              sizes["decode_scratch_estimate"]),
+                "v3_kv_cache": v3["kv_cache"],
+                "v3_bytes": v3["total"] + max(v3["prefill_scratch_estimate"], v3["decode_scratch_estimate"]),
+                "v3_fits": fits_core(v3),
+            })
+    return table
+
+
+def print_pool_table(table: Mapping, as_json: bool) -> None:
+    gb = 1e9
+    print(f"PROJECTION (v4, KV by need): per-rank GB, tp={table['tp']}, quant={table['quant']}, "
+          f"kv-quant={table['kv_quant']}, buckets {table['prefill_buckets']}, blocks of {table['block_size']}; "
+          f"fits = resident + the larger scratch within {table['budget_bytes'] / gb:.0f} GB")
+    print(f"  {'attention':<9} {'conversations':<28} {'blocks':>6} {'KV':>6} {'resident':>8} {'prefill':>7} "
+          f"{'decode':>6} {'total':>6} fits | bounded prefill: total, fits | v3 KV, total, fits")
+    for row in table["rows"]:
+        mix = "+".join(str(n) for n in row["conversations"])
+        print(f"  {row['attn_quant']:<9} {mix:<28} {row['kv_blocks']:>6} {row['kv_cache'] / gb:6.2f} "
+              f"{row['resident'] / gb:8.2f} {row['prefill_scratch_estimate'] / gb:7.2f} "
+              f"{row['decode_scratch_estimate'] / gb:6.2f} {row['bytes'] / gb:6.2f} {'yes' if row['fits'] else 'no':>4}"
+              f" | {row['bytes_bounded_prefill'] / gb:6.2f} "
+              f"{'yes' if row['bytes_bounded_prefill'] <= table['budget_bytes'] else 'no':>3}"
+              f" | {row['v3_kv_cache'] / gb:5.2f} {row['v3_bytes'] / gb:6.2f} {'yes' if row['v3_fits'] else 'no'}")
+    if as_json:
+        print(json.dumps(table))
 
 
 def print_slot_table(table: Mapping, as_json: bool) -> None:
@@ -1548,14 +1844,14 @@ def check_lowering(cfg, plan: Plan, vision_config=None, budgets: Iterable[int] =
 
     graphs = []
     last_slot = plan.kv_slots - 1
-    for key, t, _, batch in graph_keys(plan):
+    for graph in all_graphs(plan):
+        key, t, _, batch, context = graph
         calls = []
         # First call at 0, second at the far end of the context (the ring has wrapped there); v3 moves the rows to
-        # other slots too (the second call's slots counted down from the last one).
-        for start, slots in ((0 if t > 1 else min(plan.buckets), list(range(batch))),
-                             (plan.max_total - t, [last_slot - r for r in range(batch)])):
-            example = example_inputs(cfg, t, start, plan.max_total, plan.contract, batch, slots, plan.block_ids,
-                                     last=takes_last_index(plan, key))
+        # other slots too (the second call's slots counted down from the last one; v4: other block tables as well).
+        for start, slots in ((0 if t > 1 else min(min(plan.buckets), context - 1), list(range(batch))),
+                             (context - t, [last_slot - r for r in range(batch)])):
+            example = graph_example(cfg, plan, graph, start, slots)
             inputs = [x.to(device) for x in example]
             before = counters()
             out = model(*inputs)
@@ -1569,7 +1865,8 @@ def check_lowering(cfg, plan: Plan, vision_config=None, budgets: Iterable[int] =
             calls.append({
                 "start": start,
                 "positions": example[1][:, 0].tolist(),
-                **({"slots": slots} if plan.contract == "v3" else {}),
+                **({"slots": slots} if plan.slotted else {}),
+                **({"block_table": example[3].tolist()} if plan.pooled else {}),
                 "compilations": delta.get("UncachedCompile", 0),
                 "aten_fallbacks": {n: v for n, v in delta.items() if n.startswith("aten::")},
                 "finite_logits": finite,
@@ -1580,7 +1877,7 @@ def check_lowering(cfg, plan: Plan, vision_config=None, budgets: Iterable[int] =
             and calls[1]["compilations"] == 0
             and all(c["finite_logits"] for c in calls)
         )
-        experts = decode_experts(plan, cfg)[batch] if plan.contract == "v3" and t == 1 else None
+        experts = decode_experts(plan, cfg)[batch] if plan.slotted and t == 1 else None
         graphs.append({"graph": key, "T": t, "B": batch, **({"experts": experts} if experts else {}),
                        "calls": calls, "pass": ok})
     if vision_config is not None:
@@ -1589,7 +1886,9 @@ def check_lowering(cfg, plan: Plan, vision_config=None, budgets: Iterable[int] =
         "contract": plan.contract,
         "block_ids": plan.block_ids,  # --vision: the prefill graphs take image-block ids (lowered with a block)
         **({"kv_slots": plan.kv_slots, "decode_batches": list(plan.decode_batches), "kv_quant": plan.kv_quant}
-           if plan.contract == "v3" else {}),
+           if plan.slotted else {}),
+        **({"kv_blocks": plan.kv_blocks, "block_size": plan.block_size,
+            "context_buckets": list(plan.context_buckets)} if plan.pooled else {}),
         "max_total": plan.max_total,
         "prefill_buckets": list(plan.buckets),
         "tp": plan.tp,
@@ -1853,6 +2152,95 @@ def roofline(text_config, tp: int, quant: str, attn_quant: str, max_total: int, 
         "tp_split": tp_split_comparison(text_config, tp, quant),
         **({"kv_slots": kv_slots, "decode_batches": batched} if contract == "v3" else {}),
     }
+
+
+# Roofline by context (issue 34): one stream at 8k, 32k, 64k; four streams with one at 32k.
+CONTEXT_SCENARIOS = (("1 stream at 8k", (8192,)), ("1 stream at 32k", (32768,)), ("1 stream at 64k", (65536,)),
+                     ("4 streams, one at 32k", (32768, 4096, 4096, 4096)), ("4 streams at 8k", (8192,) * 4))
+
+
+def context_roofline(text_config, tp: int, quant: str, attn_quant: str, buckets: tuple[int, ...],
+                     kv_quant: str = "none", block_size: int = POOL_BLOCK,
+                     scenarios: Iterable[tuple[str, tuple[int, ...]]] = CONTEXT_SCENARIOS) -> dict:
+    """Per-rank bytes of one decode step and the rates they project to, by the contexts the rows hold.
+
+    v4 (a 64k build, one graph per context bucket): every row reads its sliding rings (window-bounded) and, on global
+    layers, the blocks of the call's context bucket. Two ways to run a batch whose rows sit in different buckets:
+    one call at the longest row's bucket (short rows read null blocks up to it), or one call per bucket (the weights
+    read once per call). Both are projected; `best` is the cheaper. v3 for comparison, a build of the same reach
+    (MAX = 64k): every slot MAX + bucket long, read whole whatever its row holds (it fits HBM only for one row)."""
+    published = build_model(text_config, Plan(dtype=torch.bfloat16, kv_as_params=True, inplace_kv=False,
+                                              **PUBLISHED_PLAN), device="meta")
+    efficiency = PUBLISHED_TOK_S * bytes_read_per_token(published)["total"] * PUBLISHED_PLAN["tp"] / CHIP_HBM_BYTES_PER_S
+    top = max(POOL_CONTEXTS[:-1])
+    contexts = tuple(c for c in POOL_CONTEXTS if c <= top)
+
+    def plan_for(contract: str, rows: int, max_total: int) -> Plan:
+        batches = tuple(b for b in (1, 2, 4) if b <= rows)
+        return Plan(dtype=torch.bfloat16, kv_as_params=True, inplace_kv=False, tp=tp, quant=quant,
+                    attn_quant=attn_quant, experts="selective", max_total=max_total, contract=contract,
+                    buckets=tuple(buckets), kv_slots=rows, decode_batches=batches, kv_quant=kv_quant,
+                    **({"kv_blocks": 2, "block_size": block_size, "context_buckets": contexts}
+                       if contract == "v4" else {}))
+
+    def bucket_of(n: int) -> int:
+        return next(c for c in contexts if c >= n)
+
+    weights_model = build_model(text_config, plan_for("v3", 4, 4096), device="meta")
+
+    @functools.cache
+    def weights(rows: int) -> int:
+        """What a call of `rows` rows reads besides KV (the experts gathered per row)."""
+        sizes = bytes_read_per_token(weights_model, tokens=rows)
+        return sizes["total"] - sizes["kv_cache"]
+
+    per_row = kv_bytes_per_row(build_model(text_config, plan_for("v4", 4, top), device="meta"))
+
+    def rates(step_bytes: int, rows: int) -> dict:
+        step_s = step_bytes * tp / CHIP_HBM_BYTES_PER_S
+        return {"bytes_per_rank": step_bytes,
+                "at_820_gib_s": {"tok_s_per_stream": round(1 / step_s, 1), "tok_s_aggregate": round(rows / step_s, 1)},
+                "at_published_efficiency": {"tok_s_per_stream": round(efficiency / step_s, 1),
+                                            "tok_s_aggregate": round(rows * efficiency / step_s, 1)}}
+
+    out: dict = {"kind": "projection (roofline from the config; not a measurement)", "tp": tp, "quant": quant,
+                 "attn_quant": attn_quant, "kv_quant": kv_quant, "block_size": block_size,
+                 "context_buckets": list(contexts), "published_efficiency": round(efficiency, 4),
+                 "kv_per_row": per_row, "scenarios": []}
+    for name, lengths in scenarios:
+        rows = len(lengths)
+        sliding = rows * per_row["sliding"]
+        one_call = weights(rows) + sliding + rows * bucket_of(max(lengths)) * per_row["global_per_token"]
+        groups: dict[int, int] = {}
+        for n in lengths:
+            groups[bucket_of(n)] = groups.get(bucket_of(n), 0) + 1
+        by_bucket = sum(weights(k) + k * per_row["sliding"] + k * c * per_row["global_per_token"]
+                        for c, k in groups.items())
+        v3_model = build_model(text_config, plan_for("v3", rows, top), device="meta")  # the same reach: MAX = 64k
+        v3 = bytes_read_per_token(v3_model, tokens=rows)["total"]
+        best = min(("one_call", one_call), ("by_bucket", by_bucket), key=lambda kv: kv[1])
+        out["scenarios"].append({"name": name, "contexts": list(lengths), "one_call": rates(one_call, rows),
+                                 "by_bucket": rates(by_bucket, rows), "best": best[0], "v3": rates(v3, rows)})
+    return out
+
+
+def print_context_roofline(report: Mapping, as_json: bool) -> None:
+    gb = 1e9
+    print(f"PROJECTION (roofline by context, not a measurement): tp={report['tp']}, quant={report['quant']}, "
+          f"attention={report['attn_quant']}, kv-quant={report['kv_quant']}; v4 blocks of {report['block_size']}, "
+          f"context buckets {report['context_buckets']}; tok/s at the published efficiency "
+          f"({100 * report['published_efficiency']:.1f}% of 820 GiB/s)")
+    print(f"  {'scenario':<24} {'v4 GB/step':>10} {'per stream':>10} {'aggregate':>9} {'(how)':<10} "
+          f"{'v3 GB/step':>10} {'per stream':>10} {'aggregate':>9}")
+    for row in report["scenarios"]:
+        v4, v3 = row[row["best"]], row["v3"]
+        print(f"  {row['name']:<24} {v4['bytes_per_rank'] / gb:10.3f} "
+              f"{v4['at_published_efficiency']['tok_s_per_stream']:10.1f} "
+              f"{v4['at_published_efficiency']['tok_s_aggregate']:9.1f} {row['best']:<10} "
+              f"{v3['bytes_per_rank'] / gb:10.3f} {v3['at_published_efficiency']['tok_s_per_stream']:10.1f} "
+              f"{v3['at_published_efficiency']['tok_s_aggregate']:9.1f}")
+    if as_json:
+        print(json.dumps(report))
 
 
 def print_roofline(report: Mapping, as_json: bool) -> None:
@@ -2139,7 +2527,10 @@ def write_graph_json(
     weight_files: list[str] | None = None,
 ) -> dict:
     """graph.json: v1's record as published; v2 adds every shape the host needs (see CONTRACT_V2)."""
-    if plan is not None and plan.contract == "v3":
+    if plan is not None and plan.pooled:
+        record = v4_record(cfg, plan, max_total=max_total, tp=tp, graph_file=graph_file, quant=quant,
+                           weight_files=weight_files)
+    elif plan is not None and plan.contract == "v3":
         record = v3_record(cfg, plan, max_total=max_total, tp=tp, graph_file=graph_file, quant=quant,
                            weight_files=weight_files)
     elif plan is None or plan.contract == "v1":
@@ -2244,6 +2635,33 @@ def v3_record(cfg, plan: Plan, *, max_total: int, tp: int, graph_file: str, quan
     }
 
 
+def v4_record(cfg, plan: Plan, *, max_total: int, tp: int, graph_file: str, quant: str,
+              weight_files: list[str] | None) -> dict:
+    """graph.json of a v4 build: v3's record, the global layers' block pool and the graphs per context bucket."""
+    record = v3_record(cfg, plan, max_total=max_total, tp=tp, graph_file=graph_file, quant=quant,
+                       weight_files=weight_files)
+    contexts = list(plan.context_buckets)
+    record.update({
+        "contract": CONTRACT_V4,
+        "kv_blocks": plan.kv_blocks,
+        "block_size": plan.block_size,
+        "context_buckets": contexts,
+        "null_block": 0,
+        "inputs": {**record["inputs"], "block_table": ["int32", ["B", "NBc"]]},
+        "graphs": {"prefill": {"B": [1], "T": sorted(plan.buckets), "NBc": [c // plan.block_size for c in contexts]},
+                   "decode": {"B": list(plan.decode_batches), "T": [1],
+                              "NBc": [c // plan.block_size for c in contexts]}},
+        "ring_slots": {"sliding_attention": plan.ring_slots(int(cfg.sliding_window))},
+    })
+    record["kv_cache"]["layout"] = (
+        "sliding layers [slot, kv_heads_per_rank, ring, head_dim]; global layers a pool [block, kv_heads_per_rank, "
+        "block_size, head_dim] read through block_table (row b's position p: block_table[b, p // block_size]), "
+        "K and V per layer" + (" (int8, with f32 scales of width 1)" if plan.kv_int8 else ""))
+    record["pad_rows"] = (record["pad_rows"] + "; positions past a row's blocks (table entry 0) or past the table "
+                          "write into block 0, the null block no row owns")
+    return record
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # --target cpu: the same contract as one TorchScript file
 # --------------------------------------------------------------------------------------------------------------------
@@ -2310,6 +2728,34 @@ class ContractDispatchV3(nn.Module):
             return self.core.decode_dense(inputs_embeds, position_ids, slot_ids)
         if b == 1 and t in self.buckets:
             return self.core.prefill(inputs_embeds, position_ids, slot_ids)
+        raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
+
+
+class ContractDispatchV4(nn.Module):
+    """v4 routing by (B, T, NBc): as v3, and the block table's width must be one of the context buckets (in blocks);
+    ModelBuilder keys one graph per (bucket or decode batch, context bucket)."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], decode_batches: list[int], selective_rows: int,
+                 context_blocks: list[int]) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.decode_batches = decode_batches
+        self.selective_rows = selective_rows
+        self.context_blocks = context_blocks
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, slot_ids: torch.Tensor,
+                block_table: torch.Tensor):
+        b = inputs_embeds.size(0)
+        t = inputs_embeds.size(1)
+        if block_table.size(0) != b or block_table.size(1) not in self.context_blocks:
+            raise RuntimeError("no graph for this block table: [B, NBc] with NBc a context bucket in blocks")
+        if t == 1 and b in self.decode_batches:
+            if b <= self.selective_rows:
+                return self.core.decode(inputs_embeds, position_ids, slot_ids, block_table)
+            return self.core.decode_dense(inputs_embeds, position_ids, slot_ids, block_table)
+        if b == 1 and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, slot_ids, block_table)
         raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
 
 
@@ -2474,22 +2920,29 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
     """
     max_total, contract = model.plan.max_total, model.plan.contract
     first = min(model.plan.buckets) if model.plan.ringed else bucket
-    last = model.plan.last_logits
-    inputs = {
-        "prefill": example_inputs(cfg, first, 0, max_total, contract, blocks=model.plan.block_ids, last=last),
-        "decode": example_inputs(cfg, 1, first, max_total, contract),
-    }
+    plan = model.plan
+    # v4: traced at the smallest context bucket; every size is read from the inputs, so it serves them all
+    # (tests/test_recipe_v4.py runs each bucket against the eager module and transformers).
+    context = min(plan.context_buckets) if plan.pooled else max_total
+    pool = (plan.kv_blocks, plan.block_size) if plan.pooled else None
+    last = plan.last_logits
+
+    def example(t: int, start: int, batch: int = 1, with_last: bool = False) -> tuple[torch.Tensor, ...]:
+        return example_inputs(cfg, t, min(start, context - t) if plan.pooled else start, context, contract, batch,
+                              blocks=plan.block_ids and t > 1, blocks_of=pool, last=with_last)
+
+    inputs = {"prefill": example(first, 0, with_last=last), "decode": example(1, first)}
     if last:  # the score graph: the prefill's inputs without last_index, every row's logits
-        inputs["score"] = example_inputs(cfg, first, 0, max_total, contract, blocks=model.plan.block_ids)
-    if contract == "v3":
+        inputs["score"] = example(first, 0)
+    if plan.slotted:
         # v3: as v2's prefill, one decode trace serves every batch size (shapes come from the inputs), except that the
         # experts path is frozen by the traced batch: decode is traced at the smallest batch, decode_dense at the
         # smallest one past the selective limit (if none is, it is never called and traced at the smallest too).
         paths = decode_experts(model.plan, cfg)
         selective = [b for b, path in paths.items() if path == "selective"]
         dense = [b for b, path in paths.items() if path == "dense"] or [min(paths)]
-        inputs["decode"] = example_inputs(cfg, 1, first, max_total, contract, batch=min(selective or dense))
-        inputs["decode_dense"] = example_inputs(cfg, 1, first, max_total, contract, batch=min(dense))
+        inputs["decode"] = example(1, first, min(selective or dense))
+        inputs["decode_dense"] = example(1, first, min(dense))
     # TorchScript is the contract (torch.jit.load on the server, as for Neuron's ModelBuilder output), so its
     # deprecation notices in recent torch are noise here.
     with torch.no_grad(), warnings.catch_warnings():
@@ -2501,6 +2954,10 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
                 buf.zero_()  # tracing ran the graphs once; ship empty caches
         model.reset_states()
         blocks = model.plan.block_ids
+        if plan.pooled:
+            return torch.jit.script(ContractDispatchV4(
+                traced, sorted(plan.buckets), list(plan.decode_batches), max(selective) if selective else 0,
+                [c // plan.block_size for c in plan.context_buckets]))
         scores = list(model.plan.score_buckets)
         if contract == "v3":
             rows = max(selective) if selective else 0
@@ -2551,8 +3008,9 @@ def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
     values: dict = dict(tp=args.tp, quant=args.quant, max_total=args.max_total, contract=args.contract,
                         buckets=tuple(args.prefill_buckets), experts=args.experts, attn_quant=args.attn_quant,
                         kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
-                        block_ids=bool(args.vision), vision_tp=args.vision_tp, prefill_logits=args.prefill_logits,
-                        query_tile=args.query_tile)
+                        block_ids=bool(args.vision), vision_tp=args.vision_tp, kv_blocks=args.kv_blocks,
+                        block_size=args.block_size, context_buckets=tuple(args.context_buckets),
+                        prefill_logits=args.prefill_logits, query_tile=args.query_tile)
     values.update(overrides)
     return Plan(**values)
 
@@ -2567,11 +3025,10 @@ def build_cpu(args: argparse.Namespace, cfg, reader: CheckpointReader, out: Path
     load_rank(model, full)
 
     # Run it once before tracing: a broken checkpoint shows up as non-finite logits, not a silent artifact.
-    first = min(plan.buckets)
     with torch.no_grad():
-        logits = model(*example_inputs(cfg, first, 0, args.max_total, plan.contract, blocks=plan.block_ids,
-                                       last=plan.last_logits))[0]
-        step = model(*example_inputs(cfg, 1, first, args.max_total, plan.contract))[0]
+        graphs = all_graphs(plan)
+        logits = model(*graph_example(cfg, plan, next(g for g in graphs if g[1] > 1)))[0]
+        step = model(*graph_example(cfg, plan, next(g for g in graphs if g[1] == 1)))[0]
     if not (torch.isfinite(logits).all() and torch.isfinite(step).all()):
         raise RuntimeError("non-finite logits from the CPU module; refusing to write the artifact")
     model.reset_states()
@@ -2731,12 +3188,11 @@ def build_neuron(args: argparse.Namespace, cfg, reader: CheckpointReader, out: P
         checkpoint_loader=checkpoint_loader,
         compiler_workdir=str(workdir),
     )
-    for key, t, start, batch in graph_keys(plan):
+    for graph in all_graphs(plan):
         builder.add(
-            key=key,
+            key=graph[0],
             model_instance=Instance(),
-            example_inputs=[example_inputs(cfg, t, start, args.max_total, plan.contract, batch, blocks=plan.block_ids,
-                                           last=takes_last_index(plan, key))],
+            example_inputs=[graph_example(cfg, plan, graph)],
             compiler_args=args.compiler_args,  # None: NxD's defaults, on purpose (see NEURON_NOTES' comment)
         )
     separate = args.weights == "separate"
@@ -3136,7 +3592,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="artifact directory to write")
     p.add_argument("--target", choices=("neuron", "cpu"), default="neuron")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--contract", choices=("v1", "v2", "v3"), default="v1", help="graph contract (see the module doc)")
+    p.add_argument("--contract", choices=("v1", "v2", "v3", "v4"), default="v1",
+                   help="graph contract (see the module doc; v4: docs/contract-v4.md)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="v4: blocks in the global layers' KV pool, block 0 the null block (default: room for every "
+                        "slot at the largest context bucket, 1 + S * MAX / block size)")
+    p.add_argument("--block-size", type=int, default=POOL_BLOCK, help="v4: positions per KV block (default 128)")
+    p.add_argument("--context-buckets", type=bucket_list, default=None,
+                   help="v4: contexts (tokens per row's block table) a graph is compiled for, e.g. 4096,16384,65536; "
+                        "the largest is --max-total (default: --max-total alone)")
     p.add_argument("--kv-slots", type=int, default=None,
                    help="v3: independent KV caches (conversations) the graph keeps (default 4; v1/v2: 1)")
     p.add_argument("--kv-quant", choices=QUANT_MODES, default="none",
@@ -3196,12 +3660,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     reports.add_argument("--config", type=Path, help="config.json for the reports")
     reports.add_argument("--json", action="store_true", help="any report: its last line is one JSON object")
     args = p.parse_args(argv)
-    if args.contract == "v3":
+    if args.contract == "v4":
+        if args.context_buckets is None:
+            args.context_buckets = [args.max_total]
+        args.max_total = max(args.context_buckets)
+        slots = 4 if args.kv_slots is None else args.kv_slots
+        if args.kv_blocks is None:
+            args.kv_blocks = 1 + slots * -(-args.max_total // max(args.block_size, 1))
+    elif args.kv_blocks is not None or args.context_buckets is not None:
+        p.error("--kv-blocks and --context-buckets need --contract v4")
+    else:
+        args.kv_blocks, args.context_buckets = 0, []
+    if args.contract in ("v3", "v4"):
         args.kv_slots = 4 if args.kv_slots is None else args.kv_slots
         if args.decode_batches is None:
             args.decode_batches = [b for b in (1, 2, 4) if b <= args.kv_slots]
     elif args.kv_slots not in (None, 1) or args.decode_batches not in (None, [1]):
-        p.error("--kv-slots and --decode-batches need --contract v3")
+        p.error("--kv-slots and --decode-batches need --contract v3 or v4")
     else:
         args.kv_slots, args.decode_batches = 1, [1]
     if args.prefill_buckets is None:
@@ -3215,14 +3690,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not (min(args.prefill_buckets) > 1 and max(args.prefill_buckets) <= args.max_total):
         p.error("need 1 < every prefill bucket <= --max-total")
     if args.experts is None:
-        args.experts = "selective" if args.contract in ("v2", "v3") else "dense"
+        args.experts = "selective" if args.contract in ("v2", "v3", "v4") else "dense"
     ringed = args.contract in ("v2", "v3")
     if args.prefill_logits is None:
         args.prefill_logits = "last" if ringed else "all"
     if args.query_tile is None:
         args.query_tile = DEFAULT_QUERY_TILE if ringed else 0
     if not ringed and (args.prefill_logits != "all" or args.query_tile):
-        p.error("--prefill-logits last and --query-tile need --contract v2 or v3 (v1 is the published contract)")
+        p.error("--prefill-logits last and --query-tile need --contract v2 or v3 (v1 is the published "
+                "contract; v4 keeps every prefill row and reads its block pool untiled)")
     if args.query_tile < 0:
         p.error("--query-tile must be >= 0")
     if args.vision:
@@ -3240,10 +3716,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     if args.residency or args.check_lowering or args.roofline or args.slot_table:
-        if args.config is None and args.checkpoint is None:
-            p.error("reports need --config CONFIG_JSON (or --checkpoint DIR)")
-        if args.config is None:
+        if args.config is None and args.checkpoint is not None:
             args.config = args.checkpoint / "config.json"
+        # No --config: the 26B-A4B's own shapes (CONFIG_26B), what the projections are for.
     elif args.bench_experts or args.bench_batched:
         pass  # builds its own config
     elif args.checkpoint is None or args.out is None:
@@ -3251,16 +3726,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def report_config(args: argparse.Namespace) -> dict:
+    """The config a report reads: --config (or the checkpoint's), else the built-in 26B-A4B text config."""
+    return dict(CONFIG_26B) if args.config is None else json.loads(args.config.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.residency:
-        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        cfg = text_config_from_dict(report_config(args))
         sizes = residency(cfg, args.tp, args.quant, args.max_total, contract=args.contract,
                           buckets=tuple(args.prefill_buckets), attn_quant=args.attn_quant, kv_slots=args.kv_slots,
                           decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
+                          kv_blocks=args.kv_blocks, block_size=args.block_size,
+                          context_buckets=tuple(args.context_buckets),
                           prefill_logits=args.prefill_logits, query_tile=args.query_tile)
         if args.vision:
-            raw = json.loads(args.config.read_text())
+            raw = report_config(args)
             vcfg = vision_config_from_dict(raw)
             if vcfg is None:
                 from transformers import Gemma4VisionConfig
@@ -3269,14 +3751,26 @@ def main(argv: list[str] | None = None) -> int:
             sizes.update(vision_residency(vcfg, cfg, args.tp, budgets=args.vision_budgets, vision_tp=args.vision_tp))
             sizes["total"] += sizes["vision"]
         extra = f", attention={args.attn_quant}" + (f", {args.kv_slots} KV slots, kv-quant={args.kv_quant}"
-                                                     if args.contract == "v3" else "")
+                                                     if args.contract in ("v3", "v4") else "")
+        extra += (f", {args.kv_blocks} KV blocks of {args.block_size}, contexts {args.context_buckets}"
+                  if args.contract == "v4" else "")
         print_residency(sizes, args.tp, args.quant, args.max_total, args.json, args.contract, extra)
         return 0
+    if args.slot_table and args.contract == "v4":
+        cfg = text_config_from_dict(report_config(args))
+        print_pool_table(pool_table(cfg, args.tp, args.quant, tuple(args.prefill_buckets), kv_quant=args.kv_quant,
+                                    block_size=args.block_size), args.json)
+        return 0
+    if args.roofline and args.contract == "v4":
+        cfg = text_config_from_dict(report_config(args))
+        print_context_roofline(context_roofline(cfg, args.tp, args.quant, args.attn_quant,
+                                                tuple(args.prefill_buckets), args.kv_quant, args.block_size), args.json)
+        return 0
     if args.slot_table:
-        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        cfg = text_config_from_dict(report_config(args))
         vision = None
         if args.vision:
-            vcfg = vision_config_from_dict(json.loads(args.config.read_text()))
+            vcfg = vision_config_from_dict(report_config(args))
             if vcfg is None:
                 from transformers import Gemma4VisionConfig
 
@@ -3289,10 +3783,10 @@ def main(argv: list[str] | None = None) -> int:
                                     query_tile=args.query_tile if v3_flags else None), args.json)
         return 0
     if args.check_lowering:
-        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        cfg = text_config_from_dict(report_config(args))
         vcfg = None
         if args.vision:
-            vcfg = vision_config_from_dict(json.loads(args.config.read_text()))
+            vcfg = vision_config_from_dict(report_config(args))
             if vcfg is None:
                 raise SystemExit("--check-lowering --vision: the config has no vision_config")
         report = check_lowering(cfg, plan_from_args(args, dtype=DTYPES[args.dtype or "float32"]), vcfg,
@@ -3300,7 +3794,7 @@ def main(argv: list[str] | None = None) -> int:
         print_lowering(report, args.json)
         return 0 if report["pass"] else 1
     if args.roofline:
-        cfg = text_config_from_dict(json.loads(args.config.read_text()))
+        cfg = text_config_from_dict(report_config(args))
         report = roofline(cfg, args.tp, args.quant, args.attn_quant, args.max_total, args.prefill_bucket,
                           args.contract, tuple(args.prefill_buckets), args.kv_slots, tuple(args.decode_batches),
                           args.kv_quant)
