@@ -24,6 +24,7 @@ from typing import Any
 from server.api.chat.plan import ChatPlan
 from server.api.responses.schemas import FunctionChoice, ReasoningConfig, ResponsesRequest, TextFormat
 from server.api.responses.translate import custom_input
+from server.api.thought_tokens import ThoughtTokens
 from server.engine.types import Delta, Finish
 from server.protocol import OutputParser, ParsedDelta, ToolCallDelta
 
@@ -66,31 +67,27 @@ class OutputBuilder:
         self._namespaces = dict(namespaces or {})  # a namespaced tool's name -> its namespace
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item text is added to
-        self._tokens = 0  # generated tokens fed so far
-        self._tokens_before = 0  # ... before the current feed
-        self._answered = False  # visible text or a call was seen
-        self.reasoning_tokens = 0  # tokens before the answer began, when there was a thought
+        self._thought = ThoughtTokens()  # usage's reasoning_tokens, counted as Messages counts thinking_tokens
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._thought.count
 
     def feed(self, delta: Delta) -> list[dict[str, Any]]:
-        self._tokens_before = self._tokens
-        self._tokens += delta.token_id is not None
-        return self._add(self.parser.feed(delta.text)) if delta.text else []
+        parsed = self.parser.feed(delta.text) if delta.text else ParsedDelta()
+        self._thought.feed(delta, parsed)
+        return self._add(parsed)
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
-        self._tokens_before = self._tokens
-        events = self._add(self.parser.finish().delta)
-        if not self._answered and any(item["type"] == "reasoning" for item in self.items):
-            self.reasoning_tokens = self._tokens  # all thought (a cut, or an empty answer)
+        parsed = self.parser.finish().delta
+        self._thought.finish(parsed)
+        events = self._add(parsed)
         if not self.items:  # nothing at all: still one (empty) message, so output_text is ""
             events += self._start("message")
         return events + self._close("incomplete" if reason == "length" else "completed")
 
     def _add(self, parsed: ParsedDelta) -> list[dict[str, Any]]:
         events = self._text("reasoning", parsed.reasoning) if parsed.reasoning else []
-        if parsed.content or parsed.tool_calls:
-            if not self._answered and any(item["type"] == "reasoning" for item in self.items):
-                self.reasoning_tokens = self._tokens_before
-            self._answered = True
         if parsed.content:
             events += self._text("message", parsed.content)
         for call in parsed.tool_calls:
