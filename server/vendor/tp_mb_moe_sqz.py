@@ -52,7 +52,10 @@ paid by need (issue 34; docs/contract-v4.md):
 
 Sliding layers keep v3's per-row rings (``slot_ids``); global layers keep one pool [NB, kv_heads, BS, D] per layer,
 row b's position p in block ``block_table[b, p // BS]`` (``BlockCache``, ``table_mask``; block 0 is the null block
-pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). ``--slot-table`` and
+pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). Prefill scratch is
+bounded as v3's by default: prefill graphs take ``last_index`` after the table, one score graph at the smallest bucket
+and the largest context (``Plan.score_context``) returns every row, and global layers attend in query tiles over the
+gathered blocks (``DEFAULT_QUERY_TILE_V4``); ``--prefill-logits all --query-tile 0`` builds them unbounded. ``--slot-table`` and
 ``--roofline`` with ``--contract v4`` project the issue's conversation mixes and the decode cost by context.
 Reports without ``--config`` use the 26B-A4B's own text config (``CONFIG_26B``).
 
