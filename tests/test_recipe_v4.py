@@ -8,10 +8,15 @@ rows would reserve 4 x 256 positions (64 blocks); this one holds a 130-token con
 A small step loop plays the scheduler: rows take blocks as their positions reach them, decode together in one call
 at the longest row's context bucket (a short row's table ends in the null block), run alone in the small bucket, and
 give their blocks back when they end; a newcomer decodes in blocks another conversation wrote.
+
+The build has v4's bounded prefill scratch (the defaults): prefill graphs return the last real row's logits
+(`last_index`), a score graph at the smallest bucket and the largest context returns every row for scored prompts, and
+the global layers attend in query tiles (`--query-tile 4`: 2 and 8 tiles a call, the CPU trace serving both buckets).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -32,6 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 WINDOW, BUCKETS, SLOTS, BATCHES = 12, (8, 32), 4, (1, 2, 4)
 BLOCK, CONTEXTS, POOL = 16, (64, 256), 24
+TILE = 4  # query rows a tile: several tiles per prefill call of either bucket
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +55,7 @@ def build_args(checkpoint: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out), "--target", "cpu",
             "--contract", "v4", "--context-buckets", ",".join(map(str, CONTEXTS)), "--block-size", str(BLOCK),
             "--kv-blocks", str(POOL), "--prefill-buckets", ",".join(map(str, BUCKETS)), "--kv-slots", str(SLOTS),
-            "--decode-batches", ",".join(map(str, BATCHES)), "--quant", "none", *extra]
+            "--decode-batches", ",".join(map(str, BATCHES)), "--quant", "none", "--query-tile", str(TILE), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +74,14 @@ class Runner:
     embedding: HostEmbedding
     pool: KVBlocks
 
-    def call(self, embeds: torch.Tensor, positions: torch.Tensor, slots: list[int], table: torch.Tensor) -> torch.Tensor:
-        out = self.model(embeds, positions, torch.tensor(slots, dtype=torch.int64), table)
+    def call(self, embeds: torch.Tensor, positions: torch.Tensor, slots: list[int], table: torch.Tensor,
+             *last: torch.Tensor) -> torch.Tensor:
+        out = self.model(embeds, positions, torch.tensor(slots, dtype=torch.int64), table, *last)
         return out[0] if isinstance(out, tuple | list) else out
 
     def prefill(self, slot: int, ids: list[int], start: int) -> int:
-        """ids[start:] into row `slot` in bucket-planned chunks, each padded to its bucket; the next token."""
+        """ids[start:] into row `slot` in bucket-planned chunks, each padded to its bucket (the graph returns the
+        chunk's last real row, `last_index`); the next token."""
         begin, logits = start, None
         for length in plan_chunks(len(ids) - start, BUCKETS):
             bucket = min(b for b in BUCKETS if b >= length)
@@ -82,7 +90,7 @@ class Runner:
             embeds[:, :length] = self.embedding.lookup(ids[begin : begin + length])
             context = self.pool.context_for(begin + length)
             logits = self.call(embeds, torch.arange(begin, begin + bucket)[None], [slot],
-                               self.pool.table([slot], context))[0, length - 1]
+                               self.pool.table([slot], context), torch.tensor([length - 1]))[0, -1]  # [V]
             begin += length
         assert logits is not None
         return int(logits.argmax())
@@ -150,6 +158,34 @@ def test_artifact_declares_contract_v4(artifacts: Path) -> None:
     # global layers: the pool; sliding layers: one ring per row
     assert record["kv_cache"]["full_attention"][0] == POOL and record["kv_cache"]["full_attention"][2] == BLOCK
     assert record["kv_cache"]["sliding_attention"][0] == SLOTS
+    # bounded prefill scratch: last-row prefill graphs, one score graph (smallest bucket, largest context), tiles
+    assert (record["prefill_logits"], record["score_buckets"], record["query_tile"]) == ("last", [min(BUCKETS)], TILE)
+    assert record["inputs"]["last_index"] == ["int64", [1]]
+    assert record["graphs"]["score"] == {"B": [1], "T": [min(BUCKETS)], "NBc": [max(CONTEXTS) // BLOCK]}
+
+
+def test_query_tiles_over_the_gathered_blocks_equal_untiled_attention() -> None:
+    """The recipe's v4 module with query tiles and last-row logits against the untiled every-row one (the same
+    weights): each prefill's chosen row equals the full logits' row, in both context buckets, and the score graph's
+    every row equals them too."""
+    recipe = load_recipe()
+    tiny = json.loads((SCRIPT.parents[2] / ".ci" / "tiny-gemma4-config.json").read_text())
+    cfg = recipe.text_config_from_dict(tiny)
+    plan = recipe.Plan(contract="v4", buckets=(8, 16), kv_slots=2, decode_batches=(1, 2), max_total=128,
+                       kv_blocks=24, block_size=16, context_buckets=(64, 128))
+    untiled = recipe.build_model(cfg, plan)
+    recipe.randomize(untiled)
+    tiled = recipe.build_model(cfg, dataclasses.replace(plan, query_tile=TILE, prefill_logits="last"))
+    tiled.load_state_dict(untiled.state_dict())
+    assert [getattr(layer.self_attn, "query_tile", 0) for layer in tiled.layers] == [0, TILE, 0, TILE]
+    with torch.no_grad():
+        for t, start, context, last in ((16, 0, 64, 15), (8, 16, 64, 3), (16, 100, 128, 9)):
+            inputs = recipe.example_inputs(cfg, t, start, context, "v4", blocks_of=(24, 16))
+            full = untiled(*inputs)[0]  # [1, T, V]
+            torch.testing.assert_close(tiled.prefill(*inputs, torch.tensor([last]))[0], full[:, last : last + 1],
+                                       rtol=0, atol=1e-5)
+        inputs = recipe.example_inputs(cfg, 8, 40, 128, "v4", blocks_of=(24, 16))
+        torch.testing.assert_close(tiled.score(*inputs)[0], untiled(*inputs)[0], rtol=0, atol=1e-5)
 
 
 def test_short_and_long_rows_decoded_together_match_generate(model: torch.jit.ScriptModule, artifacts: Path,
@@ -239,17 +275,27 @@ def test_the_engine_serves_a_v4_artifact(artifacts: Path, reference: torch.nn.Mo
     engine = build_engine(host)
     engine.start()
     prompts = {"long": prompt_of(90, 6), "short": prompt_of(12, 7)}
+    scored = prompt_of(20, 8)  # echo + logprobs: the score graph, in pieces of the smallest bucket
     try:
         assert engine.wait_ready(120), engine.state_reason
 
         async def go():
             requests = [GenerationRequest(prompt_ids=tuple(p), max_new_tokens=12,
                                           sampling=SamplingParams(temperature=0.0)) for p in prompts.values()]
+            requests.append(GenerationRequest(prompt_ids=tuple(scored), max_new_tokens=1, prompt_logprobs=1,
+                                              sampling=SamplingParams(temperature=0.0)))
             return await asyncio.gather(*(engine.submit(r).result() for r in requests))
 
-        completions = asyncio.run(go())
+        *completions, scoring = asyncio.run(go())
     finally:
         engine.stop()
+    with torch.inference_mode():  # transformers' own logprobs of each prompt token (its soft-cap included)
+        want_logprobs = torch.log_softmax(reference(torch.tensor([scored])).logits[0].float(), dim=-1)  # [T, V]
+    assert scoring.prompt_logprobs is not None and scoring.prompt_logprobs.first_token == scored[0]
+    got = [entry.logprob for entry in scoring.prompt_logprobs.entries]
+    want = [float(want_logprobs[i, token]) for i, token in enumerate(scored[1:])]
+    assert [entry.token_id for entry in scoring.prompt_logprobs.entries] == scored[1:]
+    assert got == pytest.approx(want, abs=2e-3)
     eos = set(host.structure.eos_token_ids)
     for prompt, completion in zip(prompts.values(), completions, strict=True):
         want = expected(reference, prompt, 12)

@@ -35,10 +35,30 @@ def test_kv_by_need_fits_the_issue_mixes_with_int8_attention(recipe, cfg) -> Non
         blocks = 1 + sum(-(-n // 128) for n in mix)
         assert row["kv_blocks"] == blocks
         assert row["kv_cache"] == len(mix) * sliding + blocks * 128 * per_position  # exactly by need
-        assert row["bytes_bounded_prefill"] <= table["budget_bytes"]  # fits once the prefill scratch is bounded
+        # what a v4 build's defaults hold (last-row prefill, query tiles) fits; every row untiled does not
+        assert row["fits"] and row["bytes"] <= table["budget_bytes"]
+        assert not row["unbounded_fits"] and row["unbounded_bytes"] > table["budget_bytes"]
     mixed = rows[("int8", DONE_WHEN[1])]
     assert mixed["kv_cache"] < 0.5 * mixed["v3_kv_cache"] and not mixed["v3_fits"]  # v3: four 32k slots
-    assert not rows[("none", DONE_WHEN[0])]["bytes_bounded_prefill"] <= table["budget_bytes"]  # bf16 attention: no
+    assert not rows[("none", DONE_WHEN[0])]["fits"]  # bf16 attention: no
+
+
+def test_v4_prefill_scratch_counts_its_graphs(recipe, cfg) -> None:
+    """The 26B's v4 prefill scratch at 64k (tp 2, int8 attention, buckets 128,512, bf16 KV), term by term from the
+    shapes: one row of f32 logits, one tile of 32 queries' f32 scores (16 heads) and mask over the 64k gathered
+    keys, the 512 bucket's activations, and one global layer's gathered K and V (2 heads of 512, bf16)."""
+    common = dict(contract="v4", buckets=(128, 512), attn_quant="int8", kv_slots=1, decode_batches=(1,),
+                  kv_blocks=513, block_size=128, context_buckets=(4096, 8192, 16384, 32768, 65536))
+    sizes = recipe.residency(cfg, 2, "int8", 65536, **common)
+    assert recipe.default_query_tile("v4") == 32
+    assert sizes["prefill_scratch_logits"] == 4 * 262_144
+    assert sizes["prefill_scratch_attention"] == 4 * 32 * 65536 * 17
+    assert sizes["prefill_scratch_activations"] == 4 * 512 * (3 * 2816 + 64 * 2 * 704)  # the routed experts' gate+up
+    assert sizes["prefill_scratch_gathered"] == 65536 * 2 * 2 * 512 * 2
+    assert sizes["prefill_scratch_estimate"] == sum(
+        sizes[f"prefill_scratch_{p}"] for p in ("logits", "attention", "activations", "gathered"))
+    untiled = recipe.residency(cfg, 2, "int8", 65536, prefill_logits="all", query_tile=0, **common)
+    assert untiled["prefill_scratch_estimate"] > 5 * sizes["prefill_scratch_estimate"]
 
 
 def test_decode_cost_follows_the_context(recipe, cfg) -> None:

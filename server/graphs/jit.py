@@ -16,11 +16,12 @@ land in slots no real query has seen yet, and later decode steps overwrite them 
 Contract v2 (`JitGraphV2`) takes embeds and positions only; contract v3 (`JitGraphV3`) adds slot ids and decode
 graphs over several rows. All three answer graphs/base.py's `Graph`; v1 and v2 as one-slot graphs.
 
-Last-row builds (graph.json `prefill_logits: "last"`, issue 34): a v2/v3 prefill graph takes `last_index [1]` int64
-after its other inputs (the chunk's last real row; pads follow it) and returns that row's logits [1, 1, V], so a chunk
-costs one row of norm + lm_head, not [T, V]. A scored prompt (`last_only=False`) runs the score graph instead (no
+Last-row builds (graph.json `prefill_logits: "last"`, issue 34): a v2/v3/v4 prefill graph takes `last_index [1]`
+int64 after its other inputs (the chunk's last real row; pads follow it) and returns that row's logits [1, 1, V], so a
+chunk costs one row of norm + lm_head, not [T, V]. A scored prompt (`last_only=False`) runs the score graph instead (no
 last_index, every row), compiled at the smallest bucket (`score_buckets`): a longer chunk goes through it in pieces of
-that size, one call each, in order (the KV they write is the chunk's). Builds without the record run as before.
+that size, one call each, in order (the KV they write is the chunk's). v4 compiles its score graph at the largest
+context bucket only, so a scored piece's table is that wide. Builds without the record run as before.
 
 Image blocks (a `--vision` build, graph.json `block_ids`): v2's and v3's prefill graphs take `block_ids [1, T]` int64
 last (0 = text, one id > 0 per image; graphs/base.py `VisionEncoder`), padded here with 0 like the chunk; decode takes
@@ -336,7 +337,8 @@ class JitGraphV3(_CompiledGraph):
         if t == 1:  # one token runs on the decode graph (no bucket of 1); a one-token block sees itself alone
             return self.decode(embeds, positions, [slot], on_submit=on_submit)[:, None]  # [1, 1, V]
         checked_slots([slot], self.slots)
-        tables = self._tables([slot], [int(positions[0, -1]) + 1])  # v4: the slot's blocks (reserved first)
+        # v4: the slot's blocks (reserved first); a scored piece's table as wide as the score graph's
+        tables = self._tables([slot], [int(positions[0, -1]) + 1], scored=self.last_rows and not last_only)
         last = self._last_input(t, bucket, last_only)
         embeds, positions = self._pad_chunk(embeds, positions)  # [1, bucket, H], [1, bucket]
         self._slot_written[slot] = max(self._slot_written[slot], int(positions[0, -1]))  # before: a failed call wrote
@@ -379,9 +381,9 @@ class JitGraphV3(_CompiledGraph):
         logits = logits[:rows, 0]  # [B, V]
         return logits if logits.dtype == torch.float32 else logits.float()
 
-    def _tables(self, ids: list[int], ends: list[int]) -> tuple[torch.Tensor, ...]:
-        """Inputs after slot_ids for rows `ids` whose real positions end before `ends` (the first len(ends) rows):
-        none in v3 (JitGraphV4: the block table)."""
+    def _tables(self, ids: list[int], ends: list[int], *, scored: bool = False) -> tuple[torch.Tensor, ...]:
+        """Inputs after slot_ids for rows `ids` whose real positions end before `ends` (the first len(ends) rows), for
+        the score graph if `scored`: none in v3 (JitGraphV4: the block table)."""
         return ()
 
     def rewind_slot(self, slot: int, position: int) -> int:
@@ -430,10 +432,12 @@ class JitGraphV4(JitGraphV3):
         # until a copy lends and fills the destination's blocks, a v4 build's choices wait (as without a copy graph).
         self.copies_slots = False
 
-    def _tables(self, ids: list[int], ends: list[int]) -> tuple[torch.Tensor, ...]:
+    def _tables(self, ids: list[int], ends: list[int], *, scored: bool = False) -> tuple[torch.Tensor, ...]:
         for slot, end in zip(ids, ends, strict=False):  # the real rows (spare rows follow them in `ids`)
             self.pool.reserve(slot, end)
-        return (self.pool.table(ids, self.pool.context_for(max(ends))),)
+        # the score graph is compiled at the largest context bucket only (the recipe's Plan.score_context)
+        context = self.max_total if scored else self.pool.context_for(max(ends))
+        return (self.pool.table(ids, context),)
 
     def rewind_slot(self, slot: int, position: int) -> int:
         start = super().rewind_slot(slot, position)

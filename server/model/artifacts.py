@@ -126,9 +126,9 @@ class GraphSpec:
     kv_blocks: int = 0  # v4: blocks in the global layers' pool (block 0 the null block)
     block_size: int = 0  # v4: positions per block
     context_buckets: tuple[int, ...] = ()  # v4: contexts a graph is compiled for (tokens per row's table)
-    # v2/v3 last-row builds (issue 34, graph.json `prefill_logits: "last"`): the prefill graphs take last_index [1]
-    # and return that row's logits [1, 1, V]; the score graphs (`score_buckets`) return every row. Absent, as in
-    # every graph.json written before them: every prefill graph returns every row.
+    # v2/v3/v4 last-row builds (issue 34, graph.json `prefill_logits: "last"`): the prefill graphs take last_index
+    # [1] and return that row's logits [1, 1, V]; the score graphs (`score_buckets`; v4: at the largest context
+    # bucket only) return every row. Absent, as in every graph.json written before them: every row.
     last_logits: bool = False
     score_buckets: tuple[int, ...] = ()
 
@@ -207,8 +207,8 @@ class GraphSpec:
                              f"the largest max_total), got {spec.kv_blocks}, {spec.block_size}, {spec.context_buckets}")
         if data.get("prefill_logits", "all") not in ("all", "last"):
             raise ValueError(f"prefill_logits must be 'all' or 'last', got {data.get('prefill_logits')!r}")
-        if spec.last_logits and (not (spec.v2 or spec.v3) or spec.score_buckets != (min(spec.buckets),)):
-            raise ValueError("a v2/v3 graph with prefill_logits 'last' records its score graph at the smallest prefill "
+        if spec.last_logits and (not (spec.v2 or spec.slotted) or spec.score_buckets != (min(spec.buckets),)):
+            raise ValueError("a v2/v3/v4 graph with prefill_logits 'last' records its score graph at the smallest prefill "
                              f"bucket (score_buckets [{min(spec.buckets)}]), got {list(spec.score_buckets)}")
         if spec.slotted and not 1 <= min(spec.decode_batches) <= max(spec.decode_batches) <= spec.kv_slots:
             raise ValueError(f"need 1 <= decode batches <= kv_slots, got {spec.decode_batches}, {spec.kv_slots}")

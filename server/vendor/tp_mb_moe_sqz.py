@@ -52,7 +52,10 @@ paid by need (issue 34; docs/contract-v4.md):
 
 Sliding layers keep v3's per-row rings (``slot_ids``); global layers keep one pool [NB, kv_heads, BS, D] per layer,
 row b's position p in block ``block_table[b, p // BS]`` (``BlockCache``, ``table_mask``; block 0 is the null block
-pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). ``--slot-table`` and
+pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). Prefill scratch is
+bounded as v3's by default: prefill graphs take ``last_index`` after the table, one score graph at the smallest bucket
+and the largest context (``Plan.score_context``) returns every row, and global layers attend in query tiles over the
+gathered blocks (``DEFAULT_QUERY_TILE_V4``); ``--prefill-logits all --query-tile 0`` builds them unbounded. ``--slot-table`` and
 ``--roofline`` with ``--contract v4`` project the issue's conversation mixes and the decode cost by context.
 Reports without ``--config`` use the 26B-A4B's own text config (``CONFIG_26B``).
 
@@ -157,6 +160,15 @@ PREFILL_LOGITS = ("last", "all")
 # v2/v3 builds' default query tile for global layers (issue 34): 64 rows keep the 26B's live scores at 32k to
 # 16 heads x 64 x 33,280 x 4 B = 0.136 GB per rank; fewer rows only add ops (512 / 64 = 8 tiles per global layer)
 DEFAULT_QUERY_TILE = 64
+# v4's: its prefill also holds one global layer's K and V gathered from the pool (0.27 GB per rank at 64k), so its
+# tile is half v3's to keep the 26B's 64k prefill scratch within the core (0.61 GB, not 0.76); the folded matmul
+# still has 8 query heads x 32 = 256 rows per KV head, two full passes of the 128-row TensorEngine
+DEFAULT_QUERY_TILE_V4 = 32
+
+
+def default_query_tile(contract: str) -> int:
+    """The query tile a build of `contract` gets unless --query-tile says otherwise (v1: none, untiled)."""
+    return {"v2": DEFAULT_QUERY_TILE, "v3": DEFAULT_QUERY_TILE, "v4": DEFAULT_QUERY_TILE_V4}.get(contract, 0)
 # The name the tiled attention is registered under in transformers' AttentionInterface
 TILED_ATTENTION = "gemma4_optb_query_tiles"
 
@@ -803,8 +815,13 @@ def table_mask(position_ids: torch.Tensor, block_table: torch.Tensor, block_size
     pos = position_ids
     columns = torch.arange(block_table.shape[1], device=pos.device, dtype=pos.dtype)  # [NBc]
     offsets = torch.arange(block_size, device=pos.device, dtype=pos.dtype)  # [BS]
-    j = (columns[:, None] * block_size + offsets[None, :]).reshape(-1)  # [NBc * BS]
-    visible = j[None, None, :] <= position_ids[:, :, None]  # [B, T, keys]
+    return key_mask(pos, (columns[:, None] * block_size + offsets[None, :]).reshape(-1))  # keys [NBc * BS]
+
+
+def key_mask(position_ids: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions, [keys] each key's position -> f32 [B, 1, T, keys]: 0 where the key's position <= the
+    query's, else finfo.min (v4's gathered blocks: key j is position j)."""
+    visible = key_positions[None, None, :] <= position_ids[:, :, None]  # [B, T, keys]
     return torch.where(visible, 0.0, torch.finfo(torch.float32).min).to(torch.float32)[:, None]
 
 
@@ -861,7 +878,8 @@ def query_tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     Registered in transformers' AttentionInterface (``TILED_ATTENTION``), so HF's own Gemma-4 attention calls it.
     Unmarked layers and one-row calls (decode) run HF's ``eager_attention_forward`` as they always did. A marked
     layer of a prefill (query [B, heads, T, D] over its ring [B, kvh, R, D]) gets no mask from the model: each tile
-    builds its own ``ring_mask`` [B, 1, tile, R] from the positions, so neither the scores nor the mask of all T
+    builds its own ``ring_mask`` [B, 1, tile, R] (v4: ``key_mask`` over the gathered blocks) from the positions, so
+    neither the scores nor the mask of all T
     rows is ever live: [B, heads, tile, R] f32 at a time. The math is eager's, row for row (softmax is per row):
     scores in the compute dtype x scaling, plus the f32 mask, an f32 softmax cast back, times V. The query heads
     that share a KV head are folded into the rows of one matmul ([B, kvh, g * tile, D] @ [B, kvh, D, R]) instead of
@@ -883,6 +901,11 @@ def query_tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     group = heads // kv_heads  # query heads per KV head (repeat_kv's n_rep): head h reads KV head h // group
     scale = dim**-0.5 if scaling is None else scaling
     window = getattr(module, "ring_window", None)
+    # v4: the keys are a row's gathered blocks in table order, key j at position j (sized from the input: one trace
+    # serves every context bucket)
+    keys = None
+    if getattr(module, "block_keys", False):
+        keys = torch.arange(ring, device=key.device, dtype=position_ids.dtype)  # [NBc * BS]
     # A graph has one T and loops over its tiles. The CPU trace (torch.jit.trace) is one trace for every bucket, and
     # a Python loop is frozen at the traced length: it loops over the largest bucket's tiles, and a shorter call's
     # tiles past its T are empty slices (size-0 matmuls, no rows), so the same trace serves every bucket.
@@ -895,7 +918,8 @@ def query_tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         scores = torch.matmul(q, key.transpose(2, 3)) * scale  # [B, kvh, g * t, R]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        mask = ring_mask(position_ids[:, start : start + t], ring, window)  # [B, 1, t, R] f32
+        tile_pos = position_ids[:, start : start + t]  # [B, t]
+        mask = key_mask(tile_pos, keys) if keys is not None else ring_mask(tile_pos, ring, window)  # [B, 1, t, R]
         scores = scores.view(batch, kv_heads, group, t, ring) + mask[:, :, None]  # [B, kvh, g, t, R] f32
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs.view(batch, kv_heads, group * t, ring), value)  # [B, kvh, g * t, D]
@@ -982,8 +1006,6 @@ class Plan:
         """Prefill graphs return the last real row's logits only (and a score graph serves scored prompts)."""
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ValueError(f"prefill_logits must be one of {PREFILL_LOGITS}, got {self.prefill_logits!r}")
-        if self.prefill_logits == "last" and self.pooled:
-            raise ValueError("contract v4's prefill graphs return every row (prefill_logits 'all'); 'last' is v2/v3's")
         return self.prefill_logits == "last"
 
     @property
@@ -991,6 +1013,14 @@ class Plan:
         """The score graphs' chunk lengths: the smallest bucket (a scored prompt is rare, its [T, V] logits are not
         small), none when every prefill graph returns all rows."""
         return (min(self.buckets),) if self.last_logits else ()
+
+    @property
+    def score_context(self) -> int:
+        """v4: the one context bucket the score graph is compiled at, the largest (MAX). A scored prompt is rare
+        (echo + logprobs), and each graph is one more Neuron compile: one score graph whose table reaches every
+        position serves a scored chunk anywhere, at the cost of reading the whole table's width per call (at 64k
+        1.34 GB of global KV per rank beside the 12.8 GB of weights every call reads)."""
+        return max(self.context_buckets) if self.pooled else self.max_total
 
     @property
     def int8(self) -> bool:
@@ -1023,11 +1053,11 @@ class RecipeModel(nn.Module):
         cfg._attn_implementation = "eager"
         if plan.query_tile:
             if not plan.ringed:
-                raise ValueError("query tiles (--query-tile) need --contract v2 or v3 (rings, masks from positions)")
+                raise ValueError("query tiles (--query-tile) need --contract v2, v3 or v4 (masks from positions)")
             # eager's math on every layer; the marked (global) layers run it a tile of queries at a time
             cfg._attn_implementation = register_tiled_attention()
         if plan.last_logits and not plan.ringed:
-            raise ValueError("--prefill-logits last needs --contract v2 or v3 (v1's prefill returns every row)")
+            raise ValueError("--prefill-logits last needs --contract v2, v3 or v4 (v1's prefill returns every row)")
         # Not `self.config`: NxD's sharder casts every checkpoint tensor (int8 included) to `model.config.torch_dtype`.
         self.text_config = cfg
         self.plan = plan
@@ -1079,13 +1109,13 @@ class RecipeModel(nn.Module):
                 # v4 global layers: [NB, kvh, BS, D], the pool's blocks lent to rows by their block tables
                 caches, n_slots = plan.kv_blocks, plan.block_size
             self.ring_sizes.append(n_slots)
-            if plan.query_tile and plan.pooled:
-                raise ValueError("--query-tile is v2/v3's (a v4 global layer reads its block table untiled)")
             if plan.query_tile and not attn.is_sliding:
                 # Global layers: their ring is the whole context (sliding ones are bounded by window + bucket).
                 attn.query_tile = plan.query_tile
                 attn.query_rows = max(plan.buckets)  # the most rows a prefill call has (the CPU trace's loop)
                 attn.ring_window = self.window_of(idx)
+                # v4: the keys are the row's gathered blocks in table order (key j is position j): a causal mask
+                attn.block_keys = plan.pooled
             # --kv-quant int8 (v3): K and V as int8 with one f32 scale per (slot, head, ring position)
             states = [(name, attn.head_dim, torch.int8 if plan.kv_int8 else dtype) for name in ("k_cache", "v_cache")]
             if plan.kv_int8:
@@ -1190,12 +1220,13 @@ class RecipeModel(nn.Module):
                 (last_index,) = extra
             masks: dict[str, torch.Tensor | None] = {}
             for idx, layer_type in enumerate(self.layer_types):
-                if layer_type not in masks and self.plan.pooled and layer_type == "full_attention":
-                    masks[layer_type] = table_mask(position_ids, block_table, self.plan.block_size)
                 if layer_type not in masks:  # every layer of a type has the same ring and window
                     if getattr(self.layers[idx].self_attn, "query_tile", 0) and inputs_embeds.shape[1] > 1:
                         assert layer_type not in self.bidirectional, "a tiled layer is causal (global layers are)"
                         masks[layer_type] = None  # query_tiled_attention builds one tile's mask at a time
+                        continue
+                    if self.plan.pooled and layer_type == "full_attention":
+                        masks[layer_type] = table_mask(position_ids, block_table, self.plan.block_size)
                         continue
                     blocked = block_ids if layer_type in self.bidirectional else None
                     masks[layer_type] = ring_mask(position_ids, self.ring_sizes[idx], self.window_of(idx),
@@ -1423,8 +1454,8 @@ def example_inputs(cfg, t: int, start: int, max_total: int, contract: str = "v1"
         extra = (*extra, torch.tensor([t - 1 if start == 0 else t // 2], dtype=torch.int64))  # [1]
     if contract in ("v3", "v4"):
         slots = torch.tensor(slot_ids if slot_ids is not None else list(range(batch)), dtype=torch.int64)  # [B]
-        if contract == "v4":
-            return embeds.float(), positions, slots, example_table(slots, max_total, blocks_of or (2, 1))
+        if contract == "v4":  # the block table after slot_ids, then a last-row prefill's last_index
+            return embeds.float(), positions, slots, example_table(slots, max_total, blocks_of or (2, 1)), *extra
         return embeds.float(), positions, slots, *extra
     if contract == "v2":
         return embeds.float(), positions, *extra  # v2 builds masks and write slots inside the graph
@@ -1444,11 +1475,14 @@ def example_table(slots: torch.Tensor, context: int, blocks_of: tuple[int, int])
 
 def v4_graphs(plan: Plan) -> list[tuple[str, int, int, int, int]]:
     """v4: (key, T, start, B, context) per graph: each prefill bucket and each decode batch at each context bucket
-    ("prefill_512_c8192", "decode_4_c65536"). The example starts inside its context bucket."""
+    ("prefill_512_c8192", "decode_4_c65536"), and a last-row build's score graph at the largest context only
+    (``Plan.score_context``: "score_128_c65536"). The example starts inside its context bucket."""
     graphs = []
     for context in plan.context_buckets:
         for b in plan.buckets:
             graphs.append((f"prefill_{b}_c{context}", b, 0, 1, context))
+        if context == plan.score_context:
+            graphs += [(f"score_{b}_c{context}", b, 0, 1, context) for b in plan.score_buckets]
         start = min(max(plan.buckets), context - 1)
         graphs += [(f"decode_{b}_c{context}", 1, start, b, context) for b in plan.decode_batches]
     return graphs
@@ -1461,7 +1495,7 @@ def graph_example(cfg, plan: Plan, graph: tuple[str, int, int, int, int], start:
     first = default_start if start is None else start
     if plan.pooled:
         return example_inputs(cfg, t, first, context, plan.contract, batch, slot_ids,
-                              blocks_of=(plan.kv_blocks, plan.block_size))
+                              blocks_of=(plan.kv_blocks, plan.block_size), last=takes_last_index(plan, key))
     return example_inputs(cfg, t, first, plan.max_total, plan.contract, batch, slot_ids, plan.block_ids,
                           last=takes_last_index(plan, key))
 
@@ -1544,17 +1578,17 @@ def residency(
     """Device bytes held by one rank, per component (every rank holds the same amount). v4: `kv_blocks` blocks of
     `block_size` positions in the global layers' pool and `kv_slots` sliding rings (one per running row).
 
-    `prefill_logits` / `query_tile` default to what a build of `contract` gets (v1 and v4: "all" rows, untiled;
-    v2/v3: "last" and DEFAULT_QUERY_TILE), so the scratch counted is the scratch the build's graphs hold."""
+    `prefill_logits` / `query_tile` default to what a build of `contract` gets (v1: "all" rows, untiled; v2/v3/v4:
+    "last" and ``default_query_tile``), so the scratch counted is the scratch the build's graphs hold."""
     from accelerate import init_empty_weights
 
-    ringed = contract in ("v2", "v3")
+    ringed = contract in ("v2", "v3", "v4")
     plan = Plan(tp=tp, quant=quant, dtype=dtype, max_total=max_total, kv_as_params=True, inplace_kv=False,
                 contract=contract, buckets=tuple(buckets), attn_quant=attn_quant, kv_slots=kv_slots,
                 decode_batches=tuple(decode_batches), kv_quant=kv_quant, kv_blocks=kv_blocks, block_size=block_size,
                 context_buckets=tuple(context_buckets or ((max_total,) if contract == "v4" else ())),
                 prefill_logits=prefill_logits or ("last" if ringed else "all"),
-                query_tile=(DEFAULT_QUERY_TILE if ringed else 0) if query_tile is None else query_tile)
+                query_tile=default_query_tile(contract) if query_tile is None else query_tile)
     with init_empty_weights(include_buffers=True):
         model = RecipeModel(text_config, plan)
     states = set(model.state_names)
@@ -1620,6 +1654,9 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
                    + [tile, ring] (tile = Plan.query_tile rows, or T untiled), a sliding layer's [heads/tp, T, ring]
       activations  f32 rows of T tokens, 3 x hidden (residual, normed, attention out) + the widest row inside a
                    layer (the global layer's queries, the shared MLP's gate+up, the routed experts' gate+up [E/tp, 2I])
+      gathered     v4 only: one global layer's K and V gathered from the pool in table order ([kvh, NBc * BS, D]
+                   each, at the graph's context bucket; an int8 pool's read back widened), which the attention reads
+                   (a v3 ring is read where it lies)
 
     Not counted: an int8 experts build's per-expert down-projection partials [T, E/tp, H] before the scale and the sum
     over experts (``prefill_experts_partials``, reported beside it): a contraction a compiler accumulates rather than
@@ -1638,6 +1675,10 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
     moe_inner = max(int(layer.experts.intermediate_size) for layer in model.layers)
     widest = max(heads * head_dim, 2 * int(cfg.intermediate_size) // plan.tp, experts_local * 2 * moe_inner)
     graphs = [(b, not plan.last_logits) for b in plan.buckets] + [(b, True) for b in plan.score_buckets]
+    gathered = 0
+    if plan.pooled:  # every v4 prefill graph of the largest context (and the score graph) gathers MAX keys a layer
+        widen = torch.finfo(plan.dtype).bits // 8 if plan.kv_int8 else 1
+        gathered = plan.max_total * kv_bytes_per_row(model)["global_per_token_layer"] * widen
     best: dict[str, int] = {}
     for rows, all_rows in graphs:
         tile = min(plan.query_tile, rows) if plan.query_tile else rows
@@ -1645,6 +1686,7 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
             "logits": 4 * int(cfg.vocab_size) * (rows if all_rows else 1),
             "attention": max(4 * tile * global_slots * (heads + 1), 4 * rows * sliding_slots * (sliding_heads + 1)),
             "activations": 4 * rows * (3 * int(cfg.hidden_size) + widest),
+            **({"gathered": gathered} if plan.pooled else {}),
         }
         if sum(terms.values()) > sum(best.values()):
             best = terms
@@ -1720,7 +1762,9 @@ def pool_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
                mixes: Iterable[tuple[int, ...]] = POOL_MIXES, kv_quant: str = "none",
                block_size: int = POOL_BLOCK) -> dict:
     """v4 by need: per attention mode and conversation mix, per-rank bytes (resident + the larger scratch) of a pool
-    sized for exactly that mix, and v3's bytes for the same rows (every slot as long as the longest)."""
+    sized for exactly that mix, as a v4 build's defaults hold it (last-row prefill logits, query tiles), the same
+    pool with every prefill row and untiled attention (`--prefill-logits all --query-tile 0`, "unbounded_*"), and
+    v3's bytes for the same rows (every slot as long as the longest)."""
     table: dict = {"kind": "projection (residency from the config; not a measurement)", "budget_bytes": CORE_BUDGET_BYTES,
                    "tp": tp, "quant": quant, "kv_quant": kv_quant, "prefill_buckets": list(buckets),
                    "block_size": block_size, "rows": []}
@@ -1730,8 +1774,9 @@ def pool_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
             batches = tuple(b for b in decode_batches if b <= len(mix))
             common = dict(buckets=buckets, attn_quant=attn_quant, kv_slots=len(mix), decode_batches=batches,
                           kv_quant=kv_quant)
-            sizes = residency(text_config, tp, quant, contexts[-1], contract="v4", kv_blocks=blocks,
-                              block_size=block_size, context_buckets=contexts, **common)
+            pool = dict(contract="v4", kv_blocks=blocks, block_size=block_size, context_buckets=contexts, **common)
+            sizes = residency(text_config, tp, quant, contexts[-1], **pool)
+            unbounded = residency(text_config, tp, quant, contexts[-1], prefill_logits="all", query_tile=0, **pool)
             v3 = residency(text_config, tp, quant, max(mix), contract="v3", **common)
             scratch = max(sizes["prefill_scratch_estimate"], sizes["decode_scratch_estimate"])
             table["rows"].append({
@@ -1740,9 +1785,14 @@ def pool_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
                 "prefill_scratch_estimate": sizes["prefill_scratch_estimate"],
                 "decode_scratch_estimate": sizes["decode_scratch_estimate"],
                 "bytes": sizes["total"] + scratch, "fits": fits_core(sizes),
-                # the same with the prefill scratch held to issue 34's bound (last-position logits, query tiles)
+                # the same with the prefill scratch held to issue 34's bound (0.35 GB): what the table showed before
+                # v4 built bounded scratch, kept for the JSON's readers
                 "bytes_bounded_prefill": sizes["total"] + max(min(sizes["prefill_scratch_estimate"], PREFILL_BOUND),
                                                               sizes["decode_scratch_estimate"]),
+                "unbounded_prefill_scratch_estimate": unbounded["prefill_scratch_estimate"],
+                "unbounded_bytes": unbounded["total"] + max(unbounded["prefill_scratch_estimate"],
+                                                            unbounded["decode_scratch_estimate"]),
+                "unbounded_fits": fits_core(unbounded),
                 "v3_kv_cache": v3["kv_cache"],
                 "v3_bytes": v3["total"] + max(v3["prefill_scratch_estimate"], v3["decode_scratch_estimate"]),
                 "v3_fits": fits_core(v3),
@@ -1756,14 +1806,14 @@ def print_pool_table(table: Mapping, as_json: bool) -> None:
           f"kv-quant={table['kv_quant']}, buckets {table['prefill_buckets']}, blocks of {table['block_size']}; "
           f"fits = resident + the larger scratch within {table['budget_bytes'] / gb:.0f} GB")
     print(f"  {'attention':<9} {'conversations':<28} {'blocks':>6} {'KV':>6} {'resident':>8} {'prefill':>7} "
-          f"{'decode':>6} {'total':>6} fits | bounded prefill: total, fits | v3 KV, total, fits")
+          f"{'decode':>6} {'total':>6} fits | all rows untiled: prefill, total, fits | v3 KV, total, fits")
     for row in table["rows"]:
         mix = "+".join(str(n) for n in row["conversations"])
         print(f"  {row['attn_quant']:<9} {mix:<28} {row['kv_blocks']:>6} {row['kv_cache'] / gb:6.2f} "
               f"{row['resident'] / gb:8.2f} {row['prefill_scratch_estimate'] / gb:7.2f} "
               f"{row['decode_scratch_estimate'] / gb:6.2f} {row['bytes'] / gb:6.2f} {'yes' if row['fits'] else 'no':>4}"
-              f" | {row['bytes_bounded_prefill'] / gb:6.2f} "
-              f"{'yes' if row['bytes_bounded_prefill'] <= table['budget_bytes'] else 'no':>3}"
+              f" | {row['unbounded_prefill_scratch_estimate'] / gb:5.2f} {row['unbounded_bytes'] / gb:6.2f} "
+              f"{'yes' if row['unbounded_fits'] else 'no':>3}"
               f" | {row['v3_kv_cache'] / gb:5.2f} {row['v3_bytes'] / gb:6.2f} {'yes' if row['v3_fits'] else 'no'}")
     if as_json:
         print(json.dumps(table))
@@ -1797,7 +1847,8 @@ def print_residency(sizes: Mapping[str, int], tp: int, quant: str, max_total: in
             print(f"  {comp:<11} {sizes[comp] / 1e9:9.3f} GB  ({sizes[comp] / 2**30:7.3f} GiB)")
         if comp == "prefill_scratch_estimate" and comp in sizes:
             parts = ", ".join(f"{name} {sizes[f'prefill_scratch_{name}'] / 1e9:.3f}"
-                              for name in ("logits", "attention", "activations") if f"prefill_scratch_{name}" in sizes)
+                              for name in ("logits", "attention", "activations", "gathered")
+                              if f"prefill_scratch_{name}" in sizes)
             print(f"    = {parts} GB" + (f"; not counted: experts' down partials "
                                          f"{sizes['prefill_experts_partials'] / 1e9:.3f} GB"
                                          if "prefill_experts_partials" in sizes else ""))
@@ -2650,7 +2701,10 @@ def v4_record(cfg, plan: Plan, *, max_total: int, tp: int, graph_file: str, quan
         "inputs": {**record["inputs"], "block_table": ["int32", ["B", "NBc"]]},
         "graphs": {"prefill": {"B": [1], "T": sorted(plan.buckets), "NBc": [c // plan.block_size for c in contexts]},
                    "decode": {"B": list(plan.decode_batches), "T": [1],
-                              "NBc": [c // plan.block_size for c in contexts]}},
+                              "NBc": [c // plan.block_size for c in contexts]},
+                   # one score graph, at the largest context (Plan.score_context): the host pads its table
+                   **({"score": {"B": [1], "T": list(plan.score_buckets),
+                                 "NBc": [plan.score_context // plan.block_size]}} if plan.last_logits else {})},
         "ring_slots": {"sliding_attention": plan.ring_slots(int(cfg.sliding_window))},
     })
     record["kv_cache"]["layout"] = (
@@ -2757,6 +2811,39 @@ class ContractDispatchV4(nn.Module):
         if b == 1 and t in self.buckets:
             return self.core.prefill(inputs_embeds, position_ids, slot_ids, block_table)
         raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, or [1, T] with T a bucket")
+
+
+class ContractDispatchV4Last(nn.Module):
+    """ContractDispatchV4 of a last-row build: prefill takes last_index [1] after the block table; without it, T a
+    score bucket and a table as wide as the score context (`score_blocks`) runs the score graph (every row)."""
+
+    def __init__(self, core: nn.Module, buckets: list[int], decode_batches: list[int], selective_rows: int,
+                 context_blocks: list[int], score_buckets: list[int], score_blocks: int) -> None:
+        super().__init__()
+        self.core = core
+        self.buckets = buckets
+        self.decode_batches = decode_batches
+        self.selective_rows = selective_rows
+        self.context_blocks = context_blocks
+        self.score_buckets = score_buckets
+        self.score_blocks = score_blocks
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, slot_ids: torch.Tensor,
+                block_table: torch.Tensor, last_index: torch.Tensor | None = None):
+        b = inputs_embeds.size(0)
+        t = inputs_embeds.size(1)
+        if block_table.size(0) != b or block_table.size(1) not in self.context_blocks:
+            raise RuntimeError("no graph for this block table: [B, NBc] with NBc a context bucket in blocks")
+        if t == 1 and b in self.decode_batches:
+            if b <= self.selective_rows:
+                return self.core.decode(inputs_embeds, position_ids, slot_ids, block_table)
+            return self.core.decode_dense(inputs_embeds, position_ids, slot_ids, block_table)
+        if b == 1 and last_index is not None and t in self.buckets:
+            return self.core.prefill(inputs_embeds, position_ids, slot_ids, block_table, last_index)
+        if b == 1 and last_index is None and t in self.score_buckets and block_table.size(1) == self.score_blocks:
+            return self.core.score(inputs_embeds, position_ids, slot_ids, block_table)
+        raise RuntimeError("no graph for this input shape: [B, 1] with B a decode batch, [1, T] with T a bucket and "
+                           "last_index, or [1, T] with T a score bucket at the score context's width")
 
 
 class ContractDispatchV2Blocks(nn.Module):
@@ -2955,9 +3042,14 @@ def trace_cpu(model: RecipeModel, cfg, bucket: int) -> torch.jit.ScriptModule:
         model.reset_states()
         blocks = model.plan.block_ids
         if plan.pooled:
-            return torch.jit.script(ContractDispatchV4(
-                traced, sorted(plan.buckets), list(plan.decode_batches), max(selective) if selective else 0,
-                [c // plan.block_size for c in plan.context_buckets]))
+            rows = max(selective) if selective else 0
+            contexts = [c // plan.block_size for c in plan.context_buckets]
+            if last:
+                return torch.jit.script(ContractDispatchV4Last(
+                    traced, sorted(plan.buckets), list(plan.decode_batches), rows, contexts,
+                    list(plan.score_buckets), plan.score_context // plan.block_size))
+            return torch.jit.script(ContractDispatchV4(traced, sorted(plan.buckets), list(plan.decode_batches), rows,
+                                                       contexts))
         scores = list(model.plan.score_buckets)
         if contract == "v3":
             rows = max(selective) if selective else 0
@@ -3617,11 +3709,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "default: selective for --contract v2, dense for v1 (the published build)")
     p.add_argument("--attn-quant", choices=QUANT_MODES, default="none", help="int8: attention projections too")
     p.add_argument("--prefill-logits", choices=PREFILL_LOGITS, default=None,
-                   help="v2/v3: 'last' (default) - prefill graphs return the last real row's logits, a score graph "
-                        "at the smallest bucket returns every row (scored prompts); 'all': every prefill row (v1)")
+                   help="v2/v3/v4: 'last' (default) - prefill graphs return the last real row's logits, a score "
+                        "graph at the smallest bucket returns every row (scored prompts; v4: at the largest context); "
+                        "'all': every prefill row (v1)")
     p.add_argument("--query-tile", type=int, default=None,
-                   help=f"v2/v3: global layers attend a prefill's queries this many rows at a time (default "
-                        f"{DEFAULT_QUERY_TILE}; 0: all at once; v1: 0)")
+                   help=f"v2/v3/v4: global layers attend a prefill's queries this many rows at a time (default "
+                        f"{DEFAULT_QUERY_TILE}, v4 {DEFAULT_QUERY_TILE_V4}; 0: all at once; v1: 0)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
     p.add_argument("--weights", choices=("inside", "separate"), default="inside",
                    help="v2: 'separate' traces the graph without weights and writes one safetensors file per rank")
@@ -3691,14 +3784,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need 1 < every prefill bucket <= --max-total")
     if args.experts is None:
         args.experts = "selective" if args.contract in ("v2", "v3", "v4") else "dense"
-    ringed = args.contract in ("v2", "v3")
+    ringed = args.contract in ("v2", "v3", "v4")
     if args.prefill_logits is None:
         args.prefill_logits = "last" if ringed else "all"
     if args.query_tile is None:
-        args.query_tile = DEFAULT_QUERY_TILE if ringed else 0
+        args.query_tile = default_query_tile(args.contract)
     if not ringed and (args.prefill_logits != "all" or args.query_tile):
-        p.error("--prefill-logits last and --query-tile need --contract v2 or v3 (v1 is the published "
-                "contract; v4 keeps every prefill row and reads its block pool untiled)")
+        p.error("--prefill-logits last and --query-tile need --contract v2, v3 or v4 (v1 is the published contract)")
     if args.query_tile < 0:
         p.error("--query-tile must be >= 0")
     if args.vision:
