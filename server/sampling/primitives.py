@@ -282,9 +282,18 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
         _sum_exp(x, softcap, inv_t, peak, buf)
         return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
 
-    # top-k off, yet min-p/top-p truncate: probe (see the module's choices), so a peaked distribution costs a small top-k.
-    total: float | None = None  # sum of all weights over the vocabulary: what top-p alone is measured against
-    probe = _FIRST_PROBE
+    if params.min_p <= 0.0:  # top-p alone: one row of `nucleus_rows`, what the same row gets beside others
+        return nucleus_rows(x.view(1, -1), [params], softcap, buf.view(1, -1))[0]
+
+    # top-k off, min-p truncates: probe (see the module's choices), so a peaked distribution costs a small top-k.
+    return _probe(x, params, softcap, None, _FIRST_PROBE)
+
+
+def _probe(x: torch.Tensor, params: SamplingParams, softcap: float | None, total: float | None,
+           probe: int) -> Candidates:
+    """Steps 7-8 with top-k off on one row x [V], from a top-`probe`, grown 8x until the kept set provably fits.
+    total: the whole row's weight (`row_totals`), which top-p alone is measured against; None with min-p."""
+    vocab = x.numel()
     while probe < vocab:
         values, ids = topk(x, probe)  # (probe,) best first
         if params.min_p > 0.0:
@@ -294,8 +303,7 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
             if float(weights[-1]) < params.min_p:
                 return Candidates(ids, weights, cum, n)
         else:
-            if total is None:
-                total = _sum_exp(x, softcap, inv_t, float(_tensor_scale(values[:1], softcap, inv_t)), buf)
+            assert total is not None
             weights, cum, n = _truncate(values, params, softcap, TENSORS, total)
             missing = params.top_p * total - float(cum[-1])
             if missing <= 0.0:
@@ -307,6 +315,61 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
     # A flat distribution: sort everything, still exact.
     values, ids = torch.sort(x, descending=True)  # (V,)
     return Candidates(ids, *_truncate(values, params, softcap, TENSORS))
+
+
+def row_totals(x: torch.Tensor, softcap: float | None, inv_t: float, peaks: list[float], buf: torch.Tensor
+               ) -> list[float]:
+    """sum(exp(cap(x) * inv_t - peak)) of each row of x [R, V] (not modified), through the scratch buf [R, V]: the
+    weight of the whole vocabulary on the scale of `_truncate`'s weights (peaks: each row's best scaled logit).
+
+    Every row gets the same operations whatever R is (elementwise, then a sum along its own row): a row's total is
+    the same alone or beside others. With a soft-cap, cap(x) * inv_t = 2 cap inv_t * sigmoid(2x / cap) - cap inv_t:
+    torch's tanh costs ~10x its sigmoid here (the total was ~0.6 of a top-p row's 1.1 ms), and while
+    2 cap inv_t + log V stays well inside float32's range, the shift is a scalar applied after the sum (one pass fewer).
+    The terms differ from the candidates' tanh-capped ones by rounding (~1e-6 of the cap): the top-p threshold moves
+    by as much as a float32 sum over the vocabulary moves it anyway."""
+    if softcap is not None and 2.0 * softcap * inv_t + math.log(x.shape[1]) < 80.0:
+        torch.mul(x, 2.0 / softcap, out=buf).sigmoid_().mul_(2.0 * softcap * inv_t).exp_()  # [R, V]
+        sums = buf.sum(1).tolist()  # R floats
+        return [total * math.exp(-softcap * inv_t - peak) for total, peak in zip(sums, peaks, strict=True)]
+    if softcap is None:
+        buf.copy_(x)  # [R, V]
+    else:
+        torch.div(x, softcap, out=buf).tanh_().mul_(softcap)  # [R, V]
+    if inv_t != 1.0:
+        buf.mul_(inv_t)
+    buf.sub_(torch.tensor(peaks)[:, None]).exp_()  # [R, V]
+    return buf.sum(1).tolist()
+
+
+def top_p_alone(params: SamplingParams, vocab: int) -> bool:
+    """top-k off, no min-p, top-p truncating: the rows `nucleus_rows` serves (one row of them in `candidates`)."""
+    return (not params.greedy and not 0 < params.top_k < vocab and params.min_p <= 0.0
+            and params.top_p < 1.0)
+
+
+def nucleus_rows(x: torch.Tensor, params: list[SamplingParams], softcap: float | None, buf: torch.Tensor
+                 ) -> list[Candidates]:
+    """Steps 5-8 of each row of x [R, V] on top-p alone (`top_p_alone`), all rows with one temperature: one
+    `topk_rows` of the first probe and one `row_totals` pass for every row, then steps 5-8 per row on Python floats;
+    a row whose probe holds less than top_p of its total grows its probe alone (`_probe`), as it would alone.
+    The nucleus is a best-first prefix, so a probe that already holds top_p of the whole mass holds all of it
+    (ties at the edge: the probe's own order, torch.topk's, as the sorted reference would have them)."""
+    rows, vocab = x.shape
+    inv_t = 1.0 / params[0].temperature
+    assert all(1.0 / p.temperature == inv_t and top_p_alone(p, vocab) for p in params)
+    k = min(_FIRST_PROBE, vocab)
+    values, ids = topk_rows(x, k)  # R lists of k, best first
+    peaks = [FLOATS.scale(row[:1], softcap, inv_t)[0] for row in values]
+    totals = row_totals(x, softcap, inv_t, peaks, buf)
+    out = []
+    for r, (p, row_values, row_ids, total) in enumerate(zip(params, values, ids, totals, strict=True)):
+        weights, cum, n = _truncate(row_values, p, softcap, FLOATS, total)
+        if p.top_p * total <= cum[-1] or k == vocab:
+            out.append(Candidates(row_ids, weights, cum, n, FLOATS))
+        else:
+            out.append(_probe(x[r], p, softcap, total, k * 8))
+    return out
 
 
 def draw(c: Candidates, rng: random.Random) -> int:
