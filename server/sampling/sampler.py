@@ -294,7 +294,8 @@ def _sample_nucleus(samplers: Sequence[Sampler], logits: torch.Tensor, rows: Seq
     out: list[SampleResult | None] = [None] * len(rows)
     for softcap, members in by_cap.items():
         stacked = _stacked([prepared[i][0] for i in members], logits, [rows[i] for i in members])  # [M, V]
-        found = nucleus_rows(stacked, [samplers[i].params for i in members], softcap, torch.empty_like(stacked))
+        scratch = [samplers[i]._scratch for i in members]  # each row's own [V], as alone (top-k off allocates it)
+        found = nucleus_rows(stacked, [samplers[i].params for i in members], softcap, scratch)  # type: ignore[arg-type]
         for i, c in zip(members, found, strict=True):
             out[i] = samplers[i]._result(prepared[i][0], softcap, draw(c, samplers[i].rng), c.ids)
     return out  # type: ignore[return-value]
