@@ -25,7 +25,8 @@ Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these wi
 - No full-vocabulary sort on the usual path. `torch.topk(x, 64)` costs ~1 ms and `torch.argmax` ~0.5 ms,
   while a streaming max over 64-wide blocks costs ~0.04 ms; `topk`/`argmax` below use the block maxima.
 - top-k off with top-p/min-p: probe the best 64, 512, ... tokens until the kept set provably fits; only a
-  near-flat distribution falls back to the full sort.
+  near-flat distribution falls back to the full sort. top-p alone also needs the whole vocabulary's weight
+  (`row_totals`: through sigmoid and exp2, ~5x cheaper here than tanh and exp).
 - No function here modifies its input row; full-vocabulary passes write into a caller's scratch row when given one.
 """
 
@@ -350,7 +351,7 @@ def top_p_alone(params: SamplingParams, vocab: int) -> bool:
 def nucleus_rows(x: torch.Tensor, params: list[SamplingParams], softcap: float | None,
                  scratch: Sequence[torch.Tensor]) -> list[Candidates]:
     """Steps 5-8 of each row of x [R, V] on top-p alone (`top_p_alone`), all rows with one temperature: one
-    `topk_rows` of the first probe and one `row_totals` pass for every row, then steps 5-8 per row on Python floats;
+    `topk_rows` of the first probe for every row and each row's `row_totals`, then steps 5-8 per row on Python floats;
     a row whose probe holds less than top_p of its total grows its probe alone (`_probe`), as it would alone.
     The nucleus is a best-first prefix, so a probe that already holds top_p of the whole mass holds all of it
     (ties at the edge: the probe's own order, torch.topk's, as the sorted reference would have them)."""
@@ -364,10 +365,12 @@ def nucleus_rows(x: torch.Tensor, params: list[SamplingParams], softcap: float |
     out = []
     for r, (p, row_values, row_ids, total) in enumerate(zip(params, values, ids, totals, strict=True)):
         weights, cum, n = _truncate(row_values, p, softcap, FLOATS, total)
-        if p.top_p * total <= cum[-1] or k == vocab:
+        missing = p.top_p * total - cum[-1]
+        if missing <= 0.0 or k == vocab:
             out.append(Candidates(row_ids, weights, cum, n, FLOATS))
-        else:
-            out.append(_probe(x[r], p, softcap, total, k * 8))
+        else:  # as `_probe` grows: straight to the sort when at least missing / weights[-1] more are needed
+            hopeless = k + missing / max(weights[-1], 1e-30) > _LAST_PROBE
+            out.append(_probe(x[r], p, softcap, total, vocab if hopeless else k * 8))
     return out
 
 
