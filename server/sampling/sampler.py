@@ -234,8 +234,8 @@ class Sampler:
 
 def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[SampleResult]:
     """The next token of each row of logits [B, V] (raw, f32, not modified), row b by samplers[b]: each row exactly
-    what samplers[b].sample(logits[b]) gives, token for token and RNG draw for RNG draw. Two kinds of rows are
-    served together: the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass, and the rows sampled from
+    what samplers[b].sample(logits[b]) gives, token for token and RNG draw for RNG draw. Three kinds of rows are
+    served together: the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass, the rows sampled from
     a small top-k (`Sampler.small_top_k`, Gemma-4's default top_k 64) in one top-k pass per k (`_sample_top_k`), and
     the rows on top-p alone (`Sampler.top_p_alone`) in one first probe per temperature (`_sample_nucleus`; each
     row's total over the vocabulary stays a pass of its own, L2-resident). The rest (min-p with top-k off, a large
