@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -286,6 +287,74 @@ def test_rows_sampled_together_each_match_their_reference(softcap: float | None,
     for b, p in enumerate(params):
         counts = torch.bincount(drawn[:, b], minlength=V)
         assert chi_square_ok(counts, reference_probs(logits[b], p, softcap)), b
+
+
+def peaked_rows(rows: int, seed: int, peaks: int = 24) -> torch.Tensor:
+    """[R, V] rows shaped like a language model's: a Gaussian bulk and `peaks` tokens well above it, so a top-p
+    nucleus is tens of tokens (one probe) or, with many peaks, more than the first probe holds."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, V, generator=g) * 2.0  # [R, V]
+    top = torch.randint(0, V, (rows, peaks), generator=g)  # [R, peaks]
+    return x.scatter_(1, top, torch.rand(rows, peaks, generator=g) * 4.0 + 12.0)  # [R, V]
+
+
+def tied_at_the_nucleus_edge() -> torch.Tensor:
+    """[V]: one token at 4, six at 2 spread over the vocabulary, the rest far below: top-p 0.75 crosses inside the
+    tie (54.6, then 7.39 each: 0.75 of 98.9 is reached by the third of the six)."""
+    x = torch.full((V,), -30.0)
+    x[1234] = 4.0
+    x[torch.tensor([5, 70_000, 70_001, 131_072, 200_000, V - 1])] = 2.0
+    return x
+
+
+def test_top_p_rows_sampled_together_equal_alone_ties_and_mixed_params() -> None:
+    tied = tied_at_the_nucleus_edge()
+    logits = torch.cat([peaked_rows(3, 50), tied[None], peaked_rows(2, 51, peaks=300)])  # [6, V]
+    params = [SamplingParams(top_p=0.9, seed=1), SamplingParams(top_p=0.5, seed=2, logprobs=True, top_logprobs=4),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=3), SamplingParams(top_p=0.75, seed=4),
+              SamplingParams(top_p=0.95, seed=5), replace(DEFAULT, seed=6)]
+
+    def samplers() -> list[Sampler]:
+        made = [Sampler(p, V, [1, 2, 3], CAP) for p in params[:-2]]
+        top = int(logits[4].argmax())  # min_tokens' ban: this row is masked (soft-capped) in its own row first
+        return [*made, Sampler(params[4], V, [], CAP, stop_ids=[top], min_tokens=2), Sampler(params[5], V, [], CAP)]
+
+    together, alone = samplers(), samplers()
+    for _ in range(20):
+        got = sample_rows(together, logits)
+        assert got == [s.sample(logits[b]) for b, s in enumerate(alone)]  # tokens, logprobs, each its own generator
+        for s, t, result in zip(together, alone, got, strict=True):
+            s.accept(result.token_id)
+            t.accept(result.token_id)
+    # At the tie: as many tokens kept as the sorted reference keeps, with the same values (which three of the six
+    # equal ones is the sort's order, as in the reference).
+    ids, probs = candidate_distribution(tied, params[3], CAP)
+    want = reference_probs(tied, params[3], CAP)
+    assert ids.numel() == int((want > 0).sum()) == 4
+    assert sorted(tied[ids].tolist()) == sorted(tied[want > 0].tolist()) == [2.0, 2.0, 2.0, 4.0]
+    torch.testing.assert_close(probs.sort().values, want[want > 0].sort().values)
+
+
+def test_top_p_rows_sampled_together_each_match_their_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three top-p rows of one step (different top_p, one needing more than the first probe) drawn together 2000
+    # times, each against its own full-sort reference distribution.
+    logits = torch.cat([peaked_rows(2, 60), peaked_rows(1, 61, peaks=200)])  # [3, V]
+    params = [SamplingParams(top_p=0.9, seed=1), SamplingParams(top_p=0.6, seed=2), SamplingParams(top_p=0.8, seed=3)]
+    samplers = [Sampler(p, V, [], CAP) for p in params]
+    calls = []
+    nucleus_rows = sampler_module.nucleus_rows
+
+    def counted(x: torch.Tensor, *args: Any) -> Any:
+        calls.append(x.shape[0])
+        return nucleus_rows(x, *args)
+
+    monkeypatch.setattr(sampler_module, "nucleus_rows", counted)
+    drawn = torch.tensor([[r.token_id for r in sample_rows(samplers, logits)] for _ in range(2000)])  # [N, R]
+    assert set(calls) == {3}  # the three rows were taken together
+    for b, p in enumerate(params):
+        want = reference_probs(logits[b], p, CAP)
+        assert chi_square_ok(torch.bincount(drawn[:, b], minlength=V), want), b
+    assert int((reference_probs(logits[2], params[2], CAP) > 0).sum()) > 64  # beyond the first probe
 
 
 # --- seeds, greedy ----------------------------------------------------------------------------------------

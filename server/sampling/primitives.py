@@ -25,7 +25,8 @@ Deliberate choices (measured on a 2-core host at V=262144; do not "fix" these wi
 - No full-vocabulary sort on the usual path. `torch.topk(x, 64)` costs ~1 ms and `torch.argmax` ~0.5 ms,
   while a streaming max over 64-wide blocks costs ~0.04 ms; `topk`/`argmax` below use the block maxima.
 - top-k off with top-p/min-p: probe the best 64, 512, ... tokens until the kept set provably fits; only a
-  near-flat distribution falls back to the full sort.
+  near-flat distribution falls back to the full sort. top-p alone also needs the whole vocabulary's weight
+  (`row_totals`: through sigmoid and exp2, ~5x cheaper here than tanh and exp).
 - No function here modifies its input row; full-vocabulary passes write into a caller's scratch row when given one.
 """
 
@@ -35,6 +36,7 @@ import bisect
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -44,7 +46,9 @@ from server.sampling.params import SamplingParams
 # Block width of the two-stage argmax: the fastest on this host at V=262144 (`_topk_block` for top-k).
 _ARGMAX_BLOCK = 256
 _FIRST_PROBE = 64  # top-k off, min-p/top-p on: the first candidate count, grown 8x until the kept set fits
-_LAST_PROBE = 32_768  # beyond this a full sort is about as cheap as another probe
+_LAST_PROBE = 32_768
+# Up to this k, `topk_rows` starts from contiguous blocks of _ROW_BLOCK values (`_topk_rows_by_blocks`).
+_ROW_BLOCK, _ROW_BLOCK_TOP_K = 256, 64  # beyond this a full sort is about as cheap as another probe
 # Up to this top-k, steps 5-9 run on the k candidates as Python floats (`FLOATS`): a handful of torch calls
 # instead of ~25. What that buys is measured between device steps, where caches have gone cold and every torch
 # call costs ~25 us more (default sampling then: ~0.6 ms with tensors vs ~0.4 ms with Python floats here).
@@ -91,11 +95,14 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int
     few torch calls: the small-top-k route of `candidates` (one row) and of `sample_rows` (a step's rows) alike, so a
     row gets the same list, ties included, whether it is sampled alone or beside others.
 
-    `topk`'s argument with *strided* groups: row r's V values as a [G, W] grid, group j = column j (every W-th value).
-    The k columns with the largest maxima hold the k largest values (as `topk`'s blocks). A column maximum is an
-    elementwise max down G contiguous rows of W: one vectorised pass (~2x cheaper here than a block's amax over its
-    own short contiguous run), then a top-k over W column maxima and one over the k columns' G * k values."""
+    Up to k = 64 from contiguous blocks of 256 (`_topk_rows_by_blocks`). Beyond, `topk`'s argument with *strided*
+    groups: row r's V values as a [G, W] grid, group j = column j (every W-th value). The k columns with the largest
+    maxima hold the k largest values (as `topk`'s blocks). A column maximum is an elementwise max down G contiguous
+    rows of W: one vectorised pass (~2x cheaper here than a block's amax over its own short contiguous run of G <= 32
+    values), then a top-k over W column maxima and one over the k columns' G * k values."""
     rows, n = x.shape
+    if k <= _ROW_BLOCK_TOP_K and n % _ROW_BLOCK == 0 and n // _ROW_BLOCK >= 2 * k and x.is_contiguous():
+        return _topk_rows_by_blocks(x, k)
     group = _topk_block(k)  # G: values per column
     if not group or n % group or n // group < 2 * k or not x.is_contiguous():
         values, ids = torch.topk(x, k)  # [R, k] each: small, odd-sized or huge-k cases, the direct route
@@ -107,6 +114,25 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int
     values, pos = torch.topk(gathered.view(rows, group * k), k)  # [R, k], [R, k] into each row's (G*k,)
     ids = [[p // k * width + cols[p % k] for p in row_pos]
            for cols, row_pos in zip(columns.tolist(), pos.tolist(), strict=True)]
+    return values.tolist(), ids
+
+
+def _topk_rows_by_blocks(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """`topk_rows` for a small k, from contiguous blocks: a block maximum streams the rows ~2x faster here than the
+    column maxima (which keep W running maxima in memory), then `topk`'s argument twice: the k blocks of the largest
+    maxima hold the k largest values, and within those k blocks (a [k, B] grid) so do the k columns of the largest
+    maxima. Measured at V = 262144: ~20% less than the column route, one row or four. Every step is per row, so a
+    row's list is the same alone or beside others."""
+    rows, n = x.shape
+    block, count = _ROW_BLOCK, n // _ROW_BLOCK
+    top_blocks = torch.topk(x.view(rows, count, block).amax(2), k, sorted=False).indices  # [R, k]
+    flat = top_blocks if rows == 1 else top_blocks + torch.arange(0, rows * count, count)[:, None]  # [R, k]
+    grid = x.view(rows * count, block).index_select(0, flat.view(-1)).view(rows, k, block)  # [R, k, B] those blocks
+    columns = torch.topk(grid.amax(1), k, sorted=False).indices  # [R, k] columns of the grid
+    cells = torch.gather(grid, 2, columns[:, None, :].expand(rows, k, k))  # [R, k, k]: (i, j) = block i, column j
+    values, pos = torch.topk(cells.view(rows, k * k), k)  # [R, k], [R, k] into each row's (k*k,)
+    ids = [[starts[p // k] * block + cols[p % k] for p in row_pos]
+           for starts, cols, row_pos in zip(top_blocks.tolist(), columns.tolist(), pos.tolist(), strict=True)]
     return values.tolist(), ids
 
 
@@ -282,9 +308,18 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
         _sum_exp(x, softcap, inv_t, peak, buf)
         return Candidates(None, buf, buf.cumsum(0), vocab)  # (V,), (V,)
 
-    # top-k off, yet min-p/top-p truncate: probe (see the module's choices), so a peaked distribution costs a small top-k.
-    total: float | None = None  # sum of all weights over the vocabulary: what top-p alone is measured against
-    probe = _FIRST_PROBE
+    if params.min_p <= 0.0:  # top-p alone: one row of `nucleus_rows`, what the same row gets beside others
+        return nucleus_rows(x.view(1, -1), [params], softcap, [buf])[0]
+
+    # top-k off, min-p truncates: probe (see the module's choices), so a peaked distribution costs a small top-k.
+    return _probe(x, params, softcap, None, _FIRST_PROBE)
+
+
+def _probe(x: torch.Tensor, params: SamplingParams, softcap: float | None, total: float | None,
+           probe: int) -> Candidates:
+    """Steps 7-8 with top-k off on one row x [V], from a top-`probe`, grown 8x until the kept set provably fits.
+    total: the whole row's weight (`row_totals`), which top-p alone is measured against; None with min-p."""
+    vocab = x.numel()
     while probe < vocab:
         values, ids = topk(x, probe)  # (probe,) best first
         if params.min_p > 0.0:
@@ -294,8 +329,7 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
             if float(weights[-1]) < params.min_p:
                 return Candidates(ids, weights, cum, n)
         else:
-            if total is None:
-                total = _sum_exp(x, softcap, inv_t, float(_tensor_scale(values[:1], softcap, inv_t)), buf)
+            assert total is not None
             weights, cum, n = _truncate(values, params, softcap, TENSORS, total)
             missing = params.top_p * total - float(cum[-1])
             if missing <= 0.0:
@@ -307,6 +341,61 @@ def candidates(x: torch.Tensor, params: SamplingParams, softcap: float | None, s
     # A flat distribution: sort everything, still exact.
     values, ids = torch.sort(x, descending=True)  # (V,)
     return Candidates(ids, *_truncate(values, params, softcap, TENSORS))
+
+
+def row_totals(x: torch.Tensor, softcap: float | None, inv_t: float, peaks: list[float],
+               scratch: Sequence[torch.Tensor]) -> list[float]:
+    """sum(exp(cap(x) * inv_t - peak)) of each row of x [R, V] (not modified), row r through its own scratch[r] [V]:
+    the weight of the whole vocabulary on the scale of `_truncate`'s weights (peaks: each row's best scaled logit).
+
+    Row by row on purpose: one row and its scratch stay in L2 across the chain of passes, where [R, V] at once streams
+    from L3 every pass (measured ~2x dearer at R = 4), and a row's total is the same alone or beside others.
+    With a soft-cap, cap(x) * inv_t = 2 cap inv_t * sigmoid(2x / cap) - cap inv_t: torch's tanh costs ~10x its sigmoid
+    here (the total was ~0.6 of a top-p row's 1.1 ms) and its exp ~4x its exp2 (0.18 vs 0.04 ms a row); while
+    2 cap inv_t + log V stays well inside float32's range, the shift is a scalar applied after the sum (one pass fewer).
+    The terms differ from the candidates' tanh-capped ones by rounding (~3e-6 relative): the top-p threshold moves
+    by about as much as a float32 sum over the vocabulary moves it."""
+    totals = []
+    for row, peak, buf in zip(x, peaks, scratch, strict=True):
+        if softcap is not None and 2.0 * softcap * inv_t + math.log(row.numel()) < 80.0:
+            # exp(2 cap inv_t s) as 2 ** (2 cap inv_t log2(e) s), s = sigmoid(2x / cap)
+            torch.mul(row, 2.0 / softcap, out=buf).sigmoid_().mul_(2.0 * softcap * inv_t / math.log(2.0)).exp2_()  # (V,)
+            totals.append(float(buf.sum()) * math.exp(-softcap * inv_t - peak))
+        else:
+            totals.append(_sum_exp(row, softcap, inv_t, peak, buf))
+    return totals
+
+
+def top_p_alone(params: SamplingParams, vocab: int) -> bool:
+    """top-k off, no min-p, top-p truncating: the rows `nucleus_rows` serves (one row of them in `candidates`)."""
+    return (not params.greedy and not 0 < params.top_k < vocab and params.min_p <= 0.0
+            and params.top_p < 1.0)
+
+
+def nucleus_rows(x: torch.Tensor, params: list[SamplingParams], softcap: float | None,
+                 scratch: Sequence[torch.Tensor]) -> list[Candidates]:
+    """Steps 5-8 of each row of x [R, V] on top-p alone (`top_p_alone`), all rows with one temperature: one
+    `topk_rows` of the first probe for every row and each row's `row_totals`, then steps 5-8 per row on Python floats;
+    a row whose probe holds less than top_p of its total grows its probe alone (`_probe`), as it would alone.
+    The nucleus is a best-first prefix, so a probe that already holds top_p of the whole mass holds all of it
+    (ties at the edge: the probe's own order, torch.topk's, as the sorted reference would have them)."""
+    rows, vocab = x.shape
+    inv_t = 1.0 / params[0].temperature
+    assert all(1.0 / p.temperature == inv_t and top_p_alone(p, vocab) for p in params)
+    k = min(_FIRST_PROBE, vocab)
+    values, ids = topk_rows(x, k)  # R lists of k, best first
+    peaks = [FLOATS.scale(row[:1], softcap, inv_t)[0] for row in values]
+    totals = row_totals(x, softcap, inv_t, peaks, scratch)  # scratch: R rows [V]
+    out = []
+    for r, (p, row_values, row_ids, total) in enumerate(zip(params, values, ids, totals, strict=True)):
+        weights, cum, n = _truncate(row_values, p, softcap, FLOATS, total)
+        missing = p.top_p * total - cum[-1]
+        if missing <= 0.0 or k == vocab:
+            out.append(Candidates(row_ids, weights, cum, n, FLOATS))
+        else:  # as `_probe` grows: straight to the sort when at least missing / weights[-1] more are needed
+            hopeless = k + missing / max(weights[-1], 1e-30) > _LAST_PROBE
+            out.append(_probe(x[r], p, softcap, total, vocab if hopeless else k * 8))
+    return out
 
 
 def draw(c: Candidates, rng: random.Random) -> int:

@@ -33,9 +33,11 @@ from server.sampling.primitives import (
     argmax_rows,
     candidates,
     draw,
+    nucleus_rows,
     raw_logprobs,
     small_top_k,
     top_k_candidates,
+    top_p_alone,
     topk,
     topk_rows,
 )
@@ -138,6 +140,11 @@ class Sampler:
         return small_top_k(self.params, self.vocab_size)
 
     @property
+    def top_p_alone(self) -> bool:
+        """Sampled on top-p alone (`primitives.top_p_alone`): the rows `sample_rows` takes `nucleus_rows` of together."""
+        return top_p_alone(self.params, self.vocab_size)
+
+    @property
     def _constrained(self) -> bool:
         """The constraint has a mask to apply at this step (a free step's would allow every token)."""
         return self.constraint is not None and not self.constraint.free
@@ -227,11 +234,12 @@ class Sampler:
 
 def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[SampleResult]:
     """The next token of each row of logits [B, V] (raw, f32, not modified), row b by samplers[b]: each row exactly
-    what samplers[b].sample(logits[b]) gives, token for token and RNG draw for RNG draw. Two kinds of rows are
-    served together: the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass, and the rows sampled from
-    a small top-k (`Sampler.small_top_k`, Gemma-4's default top_k 64) in one top-k pass per k (`_sample_top_k`).
-    The rest (top-k off, a large top-k) go row by row: their cost is full-vocabulary passes that batching would
-    not shrink."""
+    what samplers[b].sample(logits[b]) gives, token for token and RNG draw for RNG draw. Three kinds of rows are
+    served together: the plain greedy rows (`Sampler.plain_greedy`) in one argmax pass, the rows sampled from
+    a small top-k (`Sampler.small_top_k`, Gemma-4's default top_k 64) in one top-k pass per k (`_sample_top_k`), and
+    the rows on top-p alone (`Sampler.top_p_alone`) in one first probe per temperature (`_sample_nucleus`; each
+    row's total over the vocabulary stays a pass of its own, L2-resident). The rest (min-p with top-k off, a large
+    top-k, nothing truncating) go row by row."""
     if len(samplers) == 1:
         return [samplers[0].sample(logits[0])]
     results: list[SampleResult | None] = [None] * len(samplers)
@@ -248,6 +256,14 @@ def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[Sampl
         if len(group) > 1:
             for b, result in zip(group, _sample_top_k([samplers[b] for b in group], logits, group, k), strict=True):
                 results[b] = result
+    by_t: dict[float, list[int]] = {}
+    for b, sampler in enumerate(samplers):
+        if results[b] is None and sampler.top_p_alone:
+            by_t.setdefault(sampler.params.temperature, []).append(b)
+    for group in by_t.values():
+        if len(group) > 1:
+            for b, result in zip(group, _sample_nucleus([samplers[b] for b in group], logits, group), strict=True):
+                results[b] = result
     for b, sampler in enumerate(samplers):
         if results[b] is None:
             results[b] = sampler.sample(logits[b])  # [V]
@@ -259,14 +275,37 @@ def _sample_top_k(samplers: Sequence[Sampler], logits: torch.Tensor, rows: Seque
     the mask per row (each into its own scratch row, as alone), one `topk_rows` over the prepared rows, then steps
     5-9 and the logprobs per row with the row's own generator: the same operations on the same values as alone."""
     prepared = [sampler.mask(sampler.adjust(logits[b])) for sampler, b in zip(samplers, rows, strict=True)]
-    untouched = all(x.data_ptr() == logits[b].data_ptr() for (x, _), b in zip(prepared, rows, strict=True))
-    if untouched and list(rows) == list(range(rows[0], rows[0] + len(rows))) and logits.is_contiguous():
-        stacked = logits[rows[0] : rows[-1] + 1]  # [R, V] a view: no copy
-    else:
-        stacked = torch.stack([x for x, _ in prepared])  # [R, V]
+    stacked = _stacked([x for x, _ in prepared], logits, rows)  # [R, V]
     values, ids = topk_rows(stacked, k)  # R lists of k, best first
     out = []
     for sampler, (x, softcap), row_values, row_ids in zip(samplers, prepared, values, ids, strict=True):
         c = top_k_candidates(row_values, row_ids, sampler.params, softcap)
         out.append(sampler._result(x, softcap, draw(c, sampler.rng), c.ids))
     return out
+
+
+def _sample_nucleus(samplers: Sequence[Sampler], logits: torch.Tensor, rows: Sequence[int]) -> list[SampleResult]:
+    """`Sampler.sample` of logits[rows[i]] by samplers[i], all on top-p alone at one temperature: steps 1-2 and the
+    mask per row (as alone), one `nucleus_rows` per soft-cap still to apply (a masked row has had it applied), then
+    the draw and the logprobs per row with the row's own generator: the same operations on the same values as alone."""
+    prepared = [sampler.mask(sampler.adjust(logits[b])) for sampler, b in zip(samplers, rows, strict=True)]
+    by_cap: dict[float | None, list[int]] = {}
+    for i, (_, softcap) in enumerate(prepared):
+        by_cap.setdefault(softcap, []).append(i)
+    out: list[SampleResult | None] = [None] * len(rows)
+    for softcap, members in by_cap.items():
+        stacked = _stacked([prepared[i][0] for i in members], logits, [rows[i] for i in members])  # [M, V]
+        scratch = [samplers[i]._scratch for i in members]  # each row's own [V], as alone (top-k off allocates it)
+        found = nucleus_rows(stacked, [samplers[i].params for i in members], softcap, scratch)  # type: ignore[arg-type]
+        for i, c in zip(members, found, strict=True):
+            out[i] = samplers[i]._result(prepared[i][0], softcap, draw(c, samplers[i].rng), c.ids)
+    return out  # type: ignore[return-value]
+
+
+def _stacked(xs: Sequence[torch.Tensor], logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """The prepared rows xs (xs[i] from logits[rows[i]]) as one [R, V] tensor: a view of the caller's logits when
+    every row is still the caller's own and the rows are one contiguous range (no copy), else a stack."""
+    untouched = all(x.data_ptr() == logits[b].data_ptr() for x, b in zip(xs, rows, strict=True))
+    if untouched and list(rows) == list(range(rows[0], rows[0] + len(rows))) and logits.is_contiguous():
+        return logits[rows[0] : rows[-1] + 1]  # [R, V] a view
+    return torch.stack(list(xs))  # [R, V]

@@ -149,7 +149,7 @@ def peaked_rows(rows: int, generator: torch.Generator) -> torch.Tensor:
 def measure_sampling_rows(repeats: int = 200, rows: int = 4) -> dict[str, float]:
     """One decode step's sampling for `rows` sampled rows: `sample_rows` (rows taken together where it can) against
     `Sampler.sample` row by row, interleaved in one run, median of each. Default Gemma-4 sampling (top-k 64, top-p
-    0.95) and top-p alone (top-k off: still row by row inside sample_rows, so the two figures should agree)."""
+    0.95) and top-p alone (top-k off: one first probe for the rows together, each row's total pass its own)."""
     from server.sampling.sampler import Sampler, sample_rows
 
     generator = torch.Generator().manual_seed(1)
