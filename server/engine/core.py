@@ -181,7 +181,7 @@ class EngineCore:
         self._sweep()
         self._release_scored()
         step = self.scheduler.schedule()
-        if step is not None:
+        if step is not None and self.scheduler.pool is not None:  # KV lent by need: the step's blocks first
             step = self._room_for(step)
         if step is not None:
             self._run(step)

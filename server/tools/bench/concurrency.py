@@ -97,8 +97,9 @@ async def _streams(engine: Any, streams: int, tokens: int, params: SamplingParam
     host_per_step = max(wall_ms - device_ms, 0.0) / steps
     return {
         "aggregate_tok_s": len(in_window) / (end - start),
-        "itl_ms_p50": statistics.median(gaps),
-        "itl_ms_p99": percentile(gaps, 99),
+        # none when the late stream ran alone (a KV pool that admits one at a time: --null-kv-blocks)
+        "itl_ms_p50": statistics.median(gaps) if gaps else float("nan"),
+        "itl_ms_p99": percentile(gaps, 99) if gaps else float("nan"),
         "late_ttft_ms": (arrivals[-1][0] - submitted) * 1000,
         "late_ttft_steps": calls1 - calls0,  # graph calls from its arrival to its first token (its prefill included)
         "device_step_ms": device_ms / steps,
