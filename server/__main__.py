@@ -99,7 +99,7 @@ def _add_json(parser: argparse.ArgumentParser) -> None:
 def _add_bench(sub: _Subcommands) -> None:
     bench = sub.add_parser("bench", help="measure the host's per-token overhead with the null graph at real shapes")
     _add_json(bench)
-    add_options(bench, names=("cache_dir",), helps={
+    add_options(bench, names=("cache_dir", "null_kv_blocks", "null_block_size"), helps={
         "cache_dir": "where the bench keeps its 1.5 GB table of the 26B's shapes and the tokenizer's start-up caches "
                      "(built on the first run, reused after)"})
     bench.add_argument("--tokens", type=int, default=None, metavar="N",
@@ -322,7 +322,7 @@ def _bench_concurrency(args: argparse.Namespace, settings: Settings) -> int:
     from server.tools.bench.concurrency import measure_concurrency, print_concurrency
 
     results = measure_concurrency(args.concurrency, cache_root=settings.cache_dir, artifacts=args.artifacts,
-                                  graph=args.bench_graph, tokens=args.tokens or 64)
+                                  graph=args.bench_graph, tokens=args.tokens or 64, settings=settings)
     print_concurrency(results)
     print(json.dumps(results))
     if args.json_path is not None:

@@ -210,6 +210,11 @@ class Settings:
                                       shown=DEFAULT_CACHE)
     null_step_ms: float = _setting("--null-step-ms", "NULL_STEP_MS", _non_negative_float, 0.0,
                                    "with --graph null: simulated device time per graph call, ms (benchmarks)")
+    null_kv_blocks: int = _setting("--null-kv-blocks", "NULL_KV_BLOCKS", _non_negative_int, 0,
+                                   "with --graph null: a v4 build's KV pool of this many blocks (block 0 the null "
+                                   "block), lent by need and admitted by (0: KV per slot, no pool)")
+    null_block_size: int = _setting("--null-block-size", "NULL_BLOCK_SIZE", _positive_int, 128,
+                                    "with --null-kv-blocks: positions per block")
     no_ui: bool = _setting("--no-ui", "NO_UI", _switch, False, "do not serve the chat page at / (404 there); the env takes 1/0 "
                            "(true/false, yes/no, on/off)", shown="off")
     lazy_grammar: bool = _setting("--lazy-grammar", "LAZY_GRAMMAR", _switch, False, "build the grammar vocabulary "

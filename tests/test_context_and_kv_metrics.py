@@ -79,7 +79,8 @@ def test_kv_gauges_follow_a_request_and_the_prefix_it_leaves(slow_server: LiveSe
     slots, capacity = live.engine.capacity, live.engine.capacity * live.host.max_total
     assert idle == {"gemma4_kv_slots_in_use": 0, "gemma4_kv_slots_in_use_ratio": 0, "gemma4_kv_tokens_in_use": 0,
                     "gemma4_kv_tokens_capacity": capacity, "gemma4_kv_tokens_in_use_ratio": 0,
-                    "gemma4_kv_cached_prefixes": 0, "gemma4_kv_cached_prefix_tokens": 0}
+                    "gemma4_kv_cached_prefixes": 0, "gemma4_kv_cached_prefix_tokens": 0,
+                    "gemma4_kv_blocks_in_use": 0, "gemma4_kv_blocks_capacity": 0}  # no pool: KV per slot
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
     prompt_tokens = len(live.host.tokenizer.encode(prompt))
     body = {"prompt": prompt, "max_tokens": 200, "stream": True, "ignore_eos": True}
@@ -106,3 +107,32 @@ def test_each_kv_gauge_is_documented(slow_server: LiveServer) -> None:
     docs = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     for name in scrape(slow_server):
         assert name in docs, f"{name} is exported but docs/operations.md does not say what it is"
+
+
+def test_a_kv_pool_caps_the_context_and_its_gauges_count_blocks() -> None:
+    """The null graph with a v4 pool (--null-kv-blocks 9 --null-block-size 16: 8 lendable blocks, 128 positions):
+    the card reports the pool's reach as the context, a longer prompt is the overflow error agents act on (before any
+    work), and once two streams end every lent block is an idle slot's prefix, as /metrics says."""
+    pooled = settings(null_kv_blocks=9, null_block_size=16)
+    host = load_host(demo_dir(), "null", "gemma-test", settings=pooled)
+    assert host.spec.max_total == 1024 and host.max_total == 128
+    with live_server(pooled, host=host) as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        (card,) = client.models.list().data
+        assert card.model_extra is not None and card.model_extra["context_length"] == 128
+        with pytest.raises(BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt="The quick brown fox. " * 40, max_tokens=1)
+        assert refused.value.code == "context_length_exceeded" and "maximum context length is 128" in str(refused.value)
+        idle = scrape(live)
+        assert (idle["gemma4_kv_blocks_capacity"], idle["gemma4_kv_blocks_in_use"]) == (8, 0)
+        assert idle["gemma4_kv_tokens_capacity"] == 128
+        prompt = "The quick brown fox jumps over the lazy dog. " * 4
+        for _ in range(2):  # two conversations of ~100 positions each: the second evicts the first's blocks
+            done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, extra_body={"ignore_eos": True})
+            assert done.usage is not None and done.usage.completion_tokens == 60
+            prompt = "A different opening line, then the same dog. " * 4
+        after = wait_for_value(lambda: scrape(live), lambda m: m["gemma4_kv_slots_in_use"] == 0, "the slots freed")
+        pool = live.engine.core.scheduler.pool
+        assert pool is not None and after["gemma4_kv_blocks_in_use"] == pool.in_use > 0
+        held = sum(pool.held(slot.index) for slot in live.engine.core.scheduler.slots.free)
+        assert pool.in_use == held and after["gemma4_kv_tokens_in_use"] == 0

@@ -301,3 +301,66 @@ def test_the_engine_serves_a_v4_artifact(artifacts: Path, reference: torch.nn.Mo
         want = expected(reference, prompt, 12)
         cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
         assert list(completion.token_ids) == want[:cut]
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_keeps_transformers_tokens(artifacts: Path,
+                                                                             reference: torch.nn.Module) -> None:
+    """The engine over the v4 build lending 8 of its blocks (128 positions) to 4 slots: three conversations that
+    grow to 60-90 positions cannot all hold their KV, so the third prompt waits for blocks and the youngest running
+    row is preempted and re-prefilled; each still gets transformers' greedy tokens. Decode is split by context
+    bucket (a cost model whose weights are free: the 256-bucket row alone, the 64-bucket rows together). After,
+    the pool lends only to idle slots' prefixes, and the engine's KV usage says so."""
+    import asyncio
+
+    from server.app.runtime import build_engine, graph_loader, load_host
+    from server.engine.types import GenerationRequest
+    from server.graphs.blocks import DecodeCost
+    from server.graphs.jit import JitGraphV4
+    from server.sampling.params import SamplingParams
+
+    host = load_host(artifacts, "jit")
+    calls: list[list[int]] = []
+
+    def load() -> JitGraphV4:
+        graph = graph_loader(host)()
+        assert isinstance(graph, JitGraphV4)
+        graph.pool = KVBlocks(9, BLOCK, CONTEXTS)  # the build holds 24; lend 8 of them
+        graph.decode_cost = DecodeCost(weights=(0.0,), sliding_per_row=0.0, global_per_position=1.0)
+        decode = graph.decode
+
+        def counted(embeds: torch.Tensor, positions: torch.Tensor, slots: list[int], **kw: object) -> torch.Tensor:
+            calls.append([graph.pool.context_for(int(p) + 1) for p in positions[:, 0].tolist()])
+            return decode(embeds, positions, slots, **kw)  # type: ignore[arg-type]
+
+        graph.decode = counted  # type: ignore[method-assign]
+        return graph
+
+    engine = build_engine(host, load=load)
+    engine.start()
+    prompts = {"long": (prompt_of(70, 8), 20), "short": (prompt_of(20, 9), 40), "third": (prompt_of(30, 10), 30)}
+    try:
+        assert engine.wait_ready(120), engine.state_reason
+
+        async def go():
+            requests = [GenerationRequest(prompt_ids=tuple(p), max_new_tokens=n, ignore_eos=True,
+                                          sampling=SamplingParams(temperature=0.0)) for p, n in prompts.values()]
+            handles = [engine.submit(r) for r in requests]
+            return await asyncio.gather(*(h.result() for h in handles))
+
+        completions = asyncio.run(go())
+        records = list(engine.core.records.values())
+        pool = engine.core.scheduler.pool
+        assert pool is not None
+        idle = sum(pool.held(slot.index) for slot in engine.core.scheduler.slots.free)
+        usage = engine.kv_usage
+    finally:
+        engine.stop()
+    assert sum(seq.preemptions for seq in records) >= 1  # the pool ran short: somebody gave its blocks back
+    assert any(len(set(contexts)) > 1 for contexts in calls)  # rows of both buckets decoded in one step
+    for (prompt, n), completion in zip(prompts.values(), completions, strict=True):
+        assert completion.finish.error is None and completion.finish.completion_tokens == n
+        want = expected(reference, prompt, n)
+        eos = next((i for i, t in enumerate(want) if t in set(host.structure.eos_token_ids)), None)
+        # transformers' generate stops at eos; past it, ignore_eos's tokens have no reference
+        assert list(completion.token_ids)[: eos if eos is not None else n] == want[: eos if eos is not None else n]
+    assert pool.in_use == idle and (usage.blocks, usage.blocks_in_use) == (8, idle) and usage.slots_in_use == 0

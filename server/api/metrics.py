@@ -70,6 +70,9 @@ class Metrics:
             ("kv_cached_prefixes", "Idle KV slots keeping a conversation's prefix for reuse (until a newcomer needs "
              "the slot)", lambda u: u.cached_prefixes),
             ("kv_cached_prefix_tokens", "KV positions those idle slots keep for reuse", lambda u: u.cached_tokens),
+            ("kv_blocks_in_use", "KV blocks lent from the pool (a v4 build; 0 without one): to running requests and "
+             "idle slots' prefixes", lambda u: u.blocks_in_use),
+            ("kv_blocks_capacity", "KV blocks the pool lends (0: KV per slot, no pool)", lambda u: u.blocks),
         ):
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(_reader(engine, read))
         r.register(_StepCollector(engine))

@@ -98,8 +98,27 @@ def load_host(root: Path | str, graph: str = "auto", served_model_name: str | No
                                             art.cfg / "tokenizer.json"))
     vision, images = _vision(art, kind, spec, tokenizer, settings)
     names = served_names(served_model_name) if served_model_name else (art.model_name(),)
+    reach = pool_reach(kind, spec, settings)
+    if reach is not None and reach < (context or spec.max_total):  # one conversation can never hold more
+        context = reach
     return Host(art, kind, spec, structure, tokenizer, embedding, names[0], protocol, stops, grammar, chat, description,
                 names[1:], vision, images, context)
+
+
+def pool_shape(kind: str, spec: GraphSpec, settings: Settings | None) -> tuple[int, int, tuple[int, ...]] | None:
+    """(blocks, block size, context buckets) of the KV pool the graph lends by need (a v4 build; the null graph with
+    --null-kv-blocks), or None: KV per slot."""
+    if kind == "jit" and spec.v4:
+        return spec.kv_blocks, spec.block_size, spec.context_buckets
+    if kind == "null" and settings is not None and settings.null_kv_blocks:
+        return settings.null_kv_blocks, settings.null_block_size, spec.context_buckets or (spec.max_total,)
+    return None
+
+
+def pool_reach(kind: str, spec: GraphSpec, settings: Settings | None) -> int | None:
+    """The most positions one conversation can hold in that pool (every lendable block), None without a pool."""
+    shape = pool_shape(kind, spec, settings)
+    return None if shape is None else min((shape[0] - 1) * shape[1], max(shape[2]))
 
 
 def _vision(art: ArtifactDir, kind: str, spec: GraphSpec, tokenizer: HostTokenizer,
@@ -155,17 +174,28 @@ def graph_loader(host: Host, settings: Settings | None = None) -> Callable[[], G
 
             return HFGraph(host.artifacts.hf, spec, device=device, slots=hf_slots or DEMO_SLOTS)
         if kind == "null":
-            from server.graphs.null import NULL_DECODE_BATCHES, NULL_GRAPH_WORDS, NULL_SLOTS, NullGraph
+            from server.graphs.blocks import KVBlocks
+            from server.graphs.null import (
+                NULL_DECODE_BATCHES,
+                NULL_GRAPH_WORDS,
+                NULL_SLOTS,
+                ROOFLINE_S_PER_POSITION,
+                NullGraph,
+            )
 
             # Greedy repeats " a"; sampling draws among ordinary words, so every sampled token is a visible chunk.
             words = list(dict.fromkeys(host.tokenizer.encode(NULL_GRAPH_WORDS, add_special_tokens=False)))
             favoured, words = words[0], words[1:]
             # As many KV slots as the artifact's v3 graph would have (else NULL_SLOTS): it serves several at once.
             slots, batches = (spec.kv_slots, spec.decode_batches) if spec.slotted else (NULL_SLOTS, NULL_DECODE_BATCHES)
+            shape = pool_shape(kind, spec, settings)  # --null-kv-blocks: a v4 build's pool, lent by need
+            pool = None if shape is None else KVBlocks(*shape)
+            # a simulated device's decode step also waits for the context bucket's KV reads, as a v4 build's would
+            per_position = ROOFLINE_S_PER_POSITION if pool is not None and null_step_s > 0 else 0.0
             return NullGraph(structure.vocab_size, max_total=spec.max_total, prefill_bucket=spec.prefill_bucket,
                              input_dtype=DTYPES[spec.input_dtype], host_softcap=structure.final_softcap,
                              favoured_token=favoured, text_tokens=words, step_s=null_step_s, slots=slots,
-                             decode_batches=batches)
+                             decode_batches=batches, kv_pool=pool, s_per_position=per_position)
         raise ValueError(f"unknown graph kind {kind!r}")
 
     return load

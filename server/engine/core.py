@@ -14,6 +14,10 @@ device-owner thread and adds the lifecycle, the queue bound and the watchdog.
   holding a Finish never reads a count that still includes its request. The lock (the front's) guards the records'
   states against the front's other threads; graph calls run outside it.
 - A graph call that raises ends the requests of that step with an error and resets their slots; the others go on.
+- KV lent by need (a graph's `pool`: a v4 build): a request waits until its prompt's KV fits (the scheduler's `fits`),
+  and a step whose rows would run the pool short first evicts idle slots' KV, then preempts the youngest running
+  request (latest submitted), which waits to be admitted again and resumes its stream (`_resume`). A prompt longer
+  than one slot's reach of the pool (or the context) is refused at once, in the API's wording (server.errors).
 - Prompt logprobs (a request's `prompt_logprobs`) come from each prefill chunk's logits at every position, soft-capped
   as the sampler's, published as one `PromptLogprobs` event after the last chunk. Any other chunk hands back its last
   position's logits only: nothing else of them is read.
@@ -51,6 +55,8 @@ from server.engine.types import (
     prompt_keys,
 )
 from server.engine.workers import SCORING, VISION, HostWorkers
+from server.errors import context_overflow
+from server.graphs.base import kv_pool
 from server.model.detok import IncrementalDetokenizer, StopMatcher
 from server.sampling.primitives import prompt_logprobs
 from server.sampling.sampler import Sampler, sample_rows
@@ -83,7 +89,11 @@ class EngineCore:
         self.workers = workers or HostWorkers.inline()  # inline: a test stepping the core sees every result at once
         # A cache that one prefill call rebuilds is cheap to evict (server.engine.kv: probes spare an agent's prefix).
         slots = KVSlots(graph.rewind_slot, capacity, short=max(graph.prefill_buckets))
-        self.scheduler = Scheduler(graph.prefill_buckets, slots, capacity, prefix_reuse=prefix_reuse, policy=policy)
+        pool = kv_pool(graph)
+        self.scheduler = Scheduler(graph.prefill_buckets, slots, capacity, prefix_reuse=prefix_reuse, policy=policy,
+                                   pool=pool)
+        # positions one request may use: the build's context, within one slot's reach of a pool
+        self.context = graph.max_total if pool is None else min(graph.max_total, pool.reach)
         self.records: dict[RequestHandle, Sequence] = {}  # every request until its caller has its Finish, in order
         self._lock = lock
         self._watch = watch
@@ -101,11 +111,14 @@ class EngineCore:
             for handle in handles:
                 request, key = handle.request, prompt_keys(handle.request)  # the images' content too
                 deadline = handle.submitted + (request.timeout_s or self.request_timeout_s)
-                budget = completion_budget(self.graph.max_total, len(request.prompt_ids), request.max_new_tokens)
-                seq = last[key] = Sequence(handle, eos_ids=self.eos_ids, budget=budget, deadline=deadline,
+                budget = completion_budget(self.context, len(request.prompt_ids), request.max_new_tokens)
+                seq = last[key] = Sequence(handle, eos_ids=self.eos_ids, budget=max(budget, 0), deadline=deadline,
                                            after=last.get(key))
                 self.records[handle] = seq
                 added.append(seq)
+                overflow = context_overflow(len(request.prompt_ids), self.context, None)
+                if overflow is not None:  # it could never run (the API refuses it first: server.app's max_total)
+                    self._retire(seq, self._unrun(seq, "error", error=overflow.message))
             return added
 
     def count(self, *states: State) -> int:
@@ -132,8 +145,11 @@ class EngineCore:
             return [seq for seq in self.records.values() if seq.state is State.WAITING]
 
     def _first_admissible(self) -> Sequence | None:
-        return next((seq for seq in self._waiting()
-                     if seq.after is None or seq.after.finished or self._copy_source(seq) is not None), None)
+        """The first waiting request that may start now; None when it must wait (for another's end, or for KV: first
+        come, first served, so no later one overtakes it)."""
+        seq = next((seq for seq in self._waiting()
+                    if seq.after is None or seq.after.finished or self._copy_source(seq) is not None), None)
+        return seq if seq is None or self.scheduler.fits(seq) else None
 
     def _copy_source(self, seq: Sequence) -> Sequence | None:
         """n > 1: the running choice whose prompt, not prefilled yet, `seq` copies once it is (None: it waits for the
@@ -153,7 +169,7 @@ class EngineCore:
     def cancel_waiting(self) -> None:
         """Every waiting request ends, cancelled: nobody may wait forever on a request the engine will never run."""
         for seq in self._waiting():
-            self._retire(seq, self._unrun(seq, "cancelled"))
+            self._drop_waiting(seq, "cancelled")
 
     # ----------------------------------------------------------------- the step (the device-owner thread)
 
@@ -165,8 +181,31 @@ class EngineCore:
         self._sweep()
         self._release_scored()
         step = self.scheduler.schedule()
+        if step is not None and self.scheduler.pool is not None:  # KV lent by need: the step's blocks first
+            step = self._room_for(step)
         if step is not None:
             self._run(step)
+        return step
+
+    def _room_for(self, step: Step) -> Step | None:
+        """`step` once its rows' KV fits: idle slots' KV evicted, then the youngest running requests preempted (the
+        step without them; None: nothing of it is left to run now)."""
+        scheduler = self.scheduler
+        while not scheduler.room_for(scheduler.step_needs(step)):
+            active = scheduler.active
+            victim = max(active, key=lambda seq: (seq.handle.submitted, active.index(seq)))
+            log.info("request %s preempted: the KV pool is short (it resumes once admitted again)",
+                     victim.handle.request.request_id)
+            with self._lock:
+                scheduler.preempt(victim)
+            if isinstance(step, PrefillStep):
+                if step.seq is victim:
+                    return None
+            else:
+                rows = tuple(seq for seq in step.rows if seq is not victim)
+                if not rows:
+                    return None
+                step = DecodeStep(rows)
         return step
 
     def _take_waiting(self) -> Sequence | None:
@@ -180,13 +219,19 @@ class EngineCore:
     def _start(self, seq: Sequence) -> None:
         """Admit `seq` to the device: its run parts, its slot (what the cache already holds of its prompt), its plan."""
         handle = seq.handle
-        handle.started = time.monotonic()
+        now = time.monotonic()
         if handle.cancelled.is_set():
-            self._retire(seq, self._unrun(seq, "cancelled", prompt=0))
+            if not seq.preemptions:
+                handle.started = now
+            self._drop_waiting(seq, "cancelled", prompt=0)
             return
-        if handle.started > seq.deadline:  # it ran out between two watchdog sweeps of the waiting requests
+        if now > seq.deadline:  # it ran out between two watchdog sweeps of the waiting requests
             self._expire(seq)
             return
+        if seq.preemptions:
+            self._resume(seq)
+            return
+        handle.started = now
         try:
             self._build(seq)
         except Exception as exc:  # noqa: BLE001 - e.g. a constraint's grammar compiled again: this request's fault, not
@@ -210,6 +255,22 @@ class EngineCore:
                     seq.preparing.append(work)
         if kept is not None:  # the same prompt as this slot's last one, all of it still in the cache: no prefill at all
             self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
+
+    def _resume(self, seq: Sequence) -> None:
+        """A preempted `seq` admitted again: its run parts as they were, its slot to hold what it had (prompt and
+        generated tokens; what the slot still keeps is not prefilled again), its next token from the last chunk."""
+        kept = self.scheduler.add(seq)
+        if kept is not None:
+            self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
+
+    def _drop_waiting(self, seq: Sequence, reason: str, prompt: int | None = None) -> None:
+        """A waiting request ends unrun; one preempted earlier ends as a running one would (its tokens counted, its
+        held-back text released)."""
+        if not seq.preemptions:
+            self._retire(seq, self._unrun(seq, reason, prompt=prompt, timed_out=reason == "length"))
+            return
+        seq.reason = "timeout" if reason == "length" else reason
+        self._end(seq)
 
     def _build(self, seq: Sequence) -> None:
         """`seq`'s run parts: its sampler, detokenizer, stop matcher and constraint (a fresh matcher for this run)."""
@@ -386,7 +447,7 @@ class EngineCore:
     def _expire(self, seq: Sequence) -> None:
         """End a request whose limit ran out before it reached the device: no work nobody can wait for."""
         log.warning("request %s hit its wall-clock limit while queued", seq.handle.request.request_id)
-        self._retire(seq, self._unrun(seq, "length", timed_out=True))
+        self._drop_waiting(seq, "length")
 
     @staticmethod
     def _unrun(seq: Sequence, reason: str, prompt: int | None = None, **extra: Any) -> Finish:

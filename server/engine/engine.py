@@ -158,7 +158,10 @@ class Engine:
     @property
     def kv_usage(self) -> KVUsage:
         """The KV slots' use and the prefixes they keep for reuse (server.engine.types.KVUsage): what a router reads."""
-        return self.core.scheduler.slots.usage(self.core.graph.max_total) if self._loaded else KVUsage()
+        if not self._loaded:
+            return KVUsage()
+        scheduler = self.core.scheduler
+        return scheduler.slots.usage(self.core.graph.max_total, scheduler.pool)
 
     @property
     def admitted(self) -> int:

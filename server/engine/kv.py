@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from server.engine.types import KVUsage
+
+if TYPE_CHECKING:
+    from server.graphs.base import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -119,27 +123,35 @@ class KVSlots:
         best = max(matches)
         slot = self.all[best[2]]
         if best[0] < SIMILARITY * len(prompt):
-            slot = min(self.free, key=self._eviction_order)
+            slot = min(self.free, key=self.eviction_order)
         self.free.remove(slot)
         self._clock += 1
         slot.last_used = self._clock
         return slot
 
-    def _eviction_order(self, slot: KVSlot) -> tuple[bool, bool, int, int]:
+    def eviction_order(self, slot: KVSlot) -> tuple[bool, bool, int, int]:
         """Smallest first: empty, then short (<= `short` tokens), then long; the least recently used within each."""
         held = len(slot.tokens)
         long = self.short is not None and held > self.short
         return long, held > 0, slot.last_used, slot.index
 
-    def usage(self, max_total: int) -> KVUsage:
-        """What the slots hold now. Read from another thread than the one that writes them (a scrape): a snapshot of
-        the free list and the lengths, each read whole under the GIL, so the figures are of one moment or the next."""
+    def usage(self, max_total: int, pool: KVPool | None = None) -> KVUsage:
+        """What the slots hold now (and, with KV lent by need, the pool). Read from another thread than the one that
+        writes them (a scrape): a snapshot of the free list and the lengths, each read whole under the GIL, so the
+        figures are of one moment or the next."""
         free = {s.index for s in list(self.free)}
         held = [(s.index in free, len(s.tokens)) for s in self.all]
         in_use = [n for idle, n in held if not idle]
         cached = [n for idle, n in held if idle and n > 0]
-        return KVUsage(slots=len(held), slots_in_use=len(in_use), tokens_capacity=len(held) * max_total,
-                       tokens_in_use=sum(in_use), cached_prefixes=len(cached), cached_tokens=sum(cached))
+        capacity = len(held) * max_total
+        blocks = lent = 0
+        if pool is not None:
+            lent = pool.in_use
+            blocks = lent + pool.free_blocks
+            capacity = min(capacity, blocks * pool.block_size)
+        return KVUsage(slots=len(held), slots_in_use=len(in_use), tokens_capacity=capacity,
+                       tokens_in_use=sum(in_use), cached_prefixes=len(cached), cached_tokens=sum(cached),
+                       blocks=blocks, blocks_in_use=lent)
 
     def release(self, slot: KVSlot) -> None:
         """`slot`'s sequence ended: free again, its KV kept for whoever comes back to it."""

@@ -19,6 +19,12 @@ prefill chunk of a newcomer, or one decode step over every sequence that has its
   (`Graph.copy_slot`). A source that ends first hands its prompt to its first waiting choice, which then prefills it.
 - Prefill is planned once, when the sequence is admitted (server.engine.buckets). An image's soft tokens are in one
   chunk: the plan never splits them, and a cached prefix that would end inside an image is cut back to its start.
+- KV lent by need (a graph with a `pool`, server.graphs.base `KVPool`: a v4 build): a sequence is admitted only when
+  its prompt's blocks fit (`fits`: the free blocks and those idle slots hold, which are evicted for it, cheapest
+  first: `KVSlots.eviction_order`). Before a step runs, its rows' new blocks are made room for (`room_for`): idle
+  slots' blocks first, then the youngest running sequence is preempted (vLLM's recompute preemption: it leaves its
+  slot, idle with its KV, and waits to be admitted again; its prompt and generated tokens are then prefilled again,
+  as much as its slot no longer holds, and its stream goes on where it was). docs/concurrency.md argues the choice.
 A one-slot graph has capacity 1: one sequence prefills, then decodes, as it always did.
 """
 
@@ -34,6 +40,7 @@ import torch
 from server.engine.buckets import chunk_spans
 from server.engine.kv import KVSlots
 from server.engine.sequence import Sequence, State
+from server.graphs.base import KVPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,13 +139,14 @@ class Scheduler:
     """The sequences holding a KV slot (`active`, in admission order) and the next step, as the policy picks it."""
 
     def __init__(self, buckets: Seq[int], slots: KVSlots, capacity: int, *, prefix_reuse: bool = True,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, pool: KVPool | None = None) -> None:
         self.buckets = tuple(buckets)  # the graph's prefill lengths, ascending
         self.slots = slots
         self.capacity = capacity  # sequences at once
         self.prefix_reuse = prefix_reuse
         self.policy: Policy = policy or TokenBudget()
         self.active: list[Sequence] = []
+        self.pool = pool  # KV lent by need (None: a free slot is all a sequence needs)
 
     @property
     def busy(self) -> bool:
@@ -165,6 +173,53 @@ class Scheduler:
     def copies_of(self, source: Sequence) -> list[Sequence]:
         return [seq for seq in self.active if seq.source is source]
 
+    def fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt (and its first token) can have its KV now: the free blocks and those idle slots hold
+        (evicted for it by `add`) cover it, beside what the admitted sequences' prompts still take. Always, without a
+        pool."""
+        pool = self.pool
+        if pool is None:
+            return True
+        idle = sum(pool.held(slot.index) for slot in self.slots.free)
+        promised = sum(max(0, pool.blocks_for(self._first_need(other)) - pool.held(other.kv.index))
+                       for other in self.active if other.kv is not None)
+        return pool.blocks_for(self._first_need(seq)) + promised <= pool.free_blocks + idle
+
+    def _first_need(self, seq: Sequence) -> int:
+        """Positions `seq` holds once its prompt is prefilled and its first token decoded (within one slot's reach)."""
+        assert self.pool is not None
+        return min(len(seq.prompt_keys) + 1, self.pool.reach)
+
+    def room_for(self, needs: dict[int, int]) -> bool:
+        """Evict idle slots' blocks, cheapest first, until every slot of `needs` (slot -> positions) can grow there;
+        whether they can. Always, without a pool."""
+        pool = self.pool
+        if pool is None:
+            return True
+        for slot in sorted(self.slots.free, key=self.slots.eviction_order):
+            if not pool.shortfall(needs):
+                break
+            if slot.index not in needs and pool.held(slot.index):
+                slot.rewind_to(0)  # its blocks back to the pool (the graph's rewind); its conversation is re-prefilled
+        return not pool.shortfall(needs)
+
+    def step_needs(self, step: Step) -> dict[int, int]:
+        """Slot -> positions each row must hold for `step` to run."""
+        if isinstance(step, PrefillStep):
+            assert step.seq.kv is not None
+            return {step.seq.kv.index: step.end}
+        return {seq.kv.index: len(seq.kv.tokens) + 1 for seq in step.rows if seq.kv is not None}
+
+    def preempt(self, seq: Sequence) -> None:
+        """`seq` leaves its slot (idle, its KV kept until evicted) and waits to be admitted again: what it needs then is
+        its prompt and generated tokens (`Sequence.suspend`)."""
+        self.active.remove(seq)
+        seq.chunks.clear()
+        seq.suspend()
+        if seq.kv is not None:
+            self.slots.release(seq.kv)
+            seq.kv = None
+
     def add(self, seq: Sequence) -> torch.Tensor | None:
         """Admit `seq` into a free slot: what the slot holds of its prompt is kept, the rest planned into chunks.
         Returns the kept logits [1, 1, V] when the whole prompt is cached with them (it decodes at once)."""
@@ -172,7 +227,10 @@ class Scheduler:
         # A request for the prompt's logprobs prefills all of it: the cache keeps KV, not the logits they come from.
         seq.kv = self.slots.choose(seq.prompt_keys, self.prefix_reuse and seq.prompt_logprobs is None)
         self.active.append(seq)
-        return self._plan(seq)
+        kept = self._plan(seq)
+        if self.pool is not None:  # `fits` said the idle slots' blocks cover it
+            assert self.room_for({seq.kv.index: self._first_need(seq)}), "admitted beyond the free KV"
+        return kept
 
     def add_copy(self, seq: Sequence, source: Sequence) -> None:
         """Admit `seq`, a choice of `source`'s prompt (source still has chunks to run), into a free slot that takes a
@@ -200,8 +258,9 @@ class Scheduler:
         inside = next((begin for begin, end in blocks if begin < start < end), None)
         if inside is not None:  # the graph can continue only mid-image (a rewind): the whole image again
             start, kept = kv.rewind_to(inside), None
-        seq.reused_tokens = start
-        seq.chunks = collections.deque(chunk_spans(start, seq.num_prompt_tokens, self.buckets, blocks))
+        if not seq.preemptions:  # a resumed sequence's prompt was counted when it first ran
+            seq.reused_tokens = start
+        seq.chunks = collections.deque(chunk_spans(start, len(prompt), self.buckets, blocks))
         return kept
 
     def schedule(self) -> Step | None:

@@ -59,7 +59,8 @@ class Sequence:
     __slots__ = ("handle", "state", "after", "preparing", "token_ids", "prompt_keys", "num_prompt_tokens", "sampler",
                  "constraint", "budget", "deadline", "generated", "ttft_s", "reused_tokens", "prefill_calls",
                  "graph_calls", "device_s", "pending", "reason", "error", "grammar_done", "kv", "chunks",
-                 "source", "prompt_logprobs", "encoded", "scoring", "held_logits", "_detok", "_stops", "_eos_ids", "_ignore_eos")
+                 "source", "prompt_logprobs", "encoded", "scoring", "held_logits", "preemptions", "_detok", "_stops", "_eos_ids",
+                 "_ignore_eos")
 
     # Built by `start` once the sequence is admitted (the engine's parts for one run of the request).
     sampler: Sampler
@@ -104,6 +105,7 @@ class Sequence:
         self.grammar_done = False  # ended by a finished constraint: what the detokenizer holds is still to be released
         # The logprobs of the prompt's 2nd..last tokens, chunk by chunk while it prefills (None: not asked for).
         self.prompt_logprobs: list[TokenLogprob] | None = None if request.prompt_logprobs is None else []
+        self.preemptions = 0  # times it gave its KV back to let others run (the scheduler's `preempt`)
         self._eos_ids = eos_ids
         self._ignore_eos = request.ignore_eos
 
@@ -111,6 +113,21 @@ class Sequence:
               constraint: TokenConstraint | None) -> None:
         """Admitted: the parts that run it."""
         self.sampler, self._detok, self._stops, self.constraint = sampler, detok, stops, constraint
+
+    def suspend(self) -> None:
+        """Preempted: waiting again, its run parts kept. Admitted again, its slot is to hold its prompt and every token
+        generated so far (`prompt_keys` grows by them: the last one's logits give the next token, as a decode step's
+        would), its held token out now. A scored prompt preempted before its PromptLogprobs is scored again."""
+        self.publish_pending()
+        self.state = State.WAITING
+        self.preemptions += 1
+        if self.generated:
+            self.prompt_keys = self.prompt_keys + tuple(self.token_ids[len(self.prompt_keys):])
+            self.prompt_logprobs = None  # published before its first token
+        elif self.prompt_logprobs is not None:
+            for work in self.scoring:
+                work.cancel()
+            self.prompt_logprobs, self.scoring, self.held_logits = [], [], None
 
     @property
     def ready(self) -> bool:

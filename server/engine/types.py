@@ -83,10 +83,14 @@ class KVUsage:
 
     slots: int = 0  # KV slots the engine schedules (0 while the graph loads)
     slots_in_use: int = 0  # held by a running request
-    tokens_capacity: int = 0  # positions the slots can hold: slots * the build's context (max_total)
+    tokens_capacity: int = 0  # positions the slots can hold: slots * the build's context (max_total), or the pool's
     tokens_in_use: int = 0  # positions written by running requests (their prompt so far and what they generated)
     cached_prefixes: int = 0  # idle slots holding KV for reuse
     cached_tokens: int = 0  # the positions those idle slots hold
+    # KV lent by need (a v4 build's pool of blocks; 0 without one): blocks it lends, and those lent now (to running
+    # requests and to idle slots' cached prefixes alike)
+    blocks: int = 0
+    blocks_in_use: int = 0
 
 
 def completion_budget(max_total: int, prompt_tokens: int, requested: int | None) -> int:

@@ -17,6 +17,10 @@ graph (docs/contract-v3.md); the engine then runs the choices one after another,
 A graph of one KV cache (v1, v2, the null graph, a test's stand-in) is the same protocol with one slot: `OneSlotGraph`
 supplies the three calls over its own `forward` / `rewind`.
 
+`pool` (optional: a graph without it, or with None, keeps KV per slot and a free slot is enough): KV lent by need,
+`KVPool` below (a v4 build's global-layer blocks, graphs/blocks.py `KVBlocks`). The scheduler asks it before it
+admits a prompt or runs a step, and evicts an idle slot's KV with `rewind_slot(slot, 0)`, which gives its blocks back.
+
 `on_submit`: a graph calls it once its host-side inputs are built, right before the device work. The engine
 publishes the previous tokens there: the event loop's thread then formats and sends those chunks while the device
 runs, instead of taking the GIL from the device-owner thread while that thread is still building inputs (every
@@ -25,7 +29,7 @@ torch call releases the GIL, and getting it back waited for the whole chunk: ~0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -66,6 +70,28 @@ class Graph(Protocol):
         """Slot `dst` holds exactly what slot `src` holds (its own KV forgotten): its next call continues where src's
         would. Only when `copies_slots`."""
         ...
+
+
+class KVPool(Protocol):
+    """KV a graph lends by need (module docs): blocks of `block_size` positions, held per slot."""
+
+    block_size: int
+
+    def blocks_for(self, tokens: int) -> int: ...
+    def held(self, row: int) -> int: ...  # blocks slot `row` holds now
+    def shortfall(self, needs: Mapping[int, int]) -> int: ...  # blocks missing for slot -> positions it must hold
+    @property
+    def free_blocks(self) -> int: ...
+    @property
+    def in_use(self) -> int: ...  # blocks lent
+    @property
+    def reach(self) -> int: ...  # the most positions one slot can ever hold
+
+
+def kv_pool(graph: object) -> KVPool | None:
+    """The graph's pool of KV lent by need, or None (KV per slot: v1-v3, hf, a null graph without one)."""
+    pool: KVPool | None = getattr(graph, "pool", None)
+    return pool
 
 
 class OneSlotGraph:

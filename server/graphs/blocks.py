@@ -3,12 +3,15 @@
 It lives with the graph (graphs/jit.py `JitGraphV4` owns one), not in the engine: the graph protocol stays v3's
 (slots and positions), the block tables are the v4 graph's own layout, as the rings are v2's and v3's. The engine's
 `KVSlots` keeps deciding which slot a prompt takes; a newcomer's rewind of its slot gives the evicted conversation's
-blocks back here. Admission by free KV asks the graph (`JitGraphV4.free_tokens`).
+blocks back here. Admission by free KV asks the pool (graphs/base.py `KVPool`): the engine's scheduler admits a
+prompt only when its blocks fit, and evicts idle slots' blocks (or preempts a row) before a call would run short.
+`decode_calls` is the choice between one decode call at the longest row's context bucket and one call per bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +37,24 @@ class KVBlocks:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def held(self, row: int) -> int:
+        """Blocks `row` holds now."""
+        return len(self.rows.get(row, ()))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def reach(self) -> int:
+        """The most positions one row can ever hold: every lendable block, within the largest context bucket."""
+        return min((len(self.free) + self.in_use) * self.block_size, self.contexts[-1])
+
+    def shortfall(self, needs: Mapping[int, int]) -> int:
+        """Blocks missing for each row of `needs` (row -> positions it must hold) to grow there with the free ones."""
+        want = sum(max(0, self.blocks_for(tokens) - self.held(row)) for row, tokens in needs.items())
+        return max(0, want - len(self.free))
 
     def can_hold(self, tokens: int, row: int | None = None) -> bool:
         """Whether `row` (or a newcomer) could grow to `tokens` positions with the blocks free now."""
@@ -80,3 +101,42 @@ class KVBlocks:
     @property
     def in_use(self) -> int:
         return sum(len(b) for b in self.rows.values())
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """Bytes one decode call reads, per rank, as the recipe's roofline counts them (`context_roofline`): the weights
+    once per call (`weights[n - 1]` for n rows: the experts the rows route to), each row's sliding rings, and each
+    row's global-layer blocks up to the call's context bucket."""
+
+    weights: tuple[float, ...]  # bytes besides KV of a call of 1, 2, ... rows (the last repeats past the end)
+    sliding_per_row: float
+    global_per_position: float
+
+    def call(self, rows: int, context: int) -> float:
+        weights = self.weights[min(rows, len(self.weights)) - 1]
+        return weights + rows * (self.sliding_per_row + context * self.global_per_position)
+
+
+# The 26B-A4B, tp 2, int8 attention, bf16 KV (PROJECTION: docs/contract-v4.md "Decode rate by context", from
+#   python server/vendor/tp_mb_moe_sqz.py --roofline --contract v4 --tp 2 --attn-quant int8 --prefill-buckets 128,512
+# its scenarios' bytes less their KV give the weights of a call of 1, 3 and 4 rows; 2 rows interpolated between 1 and 3;
+# a row's sliding rings 157,286,400 B, 20,480 B per global position).
+DECODE_COST_26B = DecodeCost(weights=(2_056_518_204, 2_773_584_444, 3_490_650_684, 4_207_716_924),
+                             sliding_per_row=157_286_400, global_per_position=20480)
+
+
+def decode_calls(contexts: Sequence[int], cost: DecodeCost) -> list[list[int]]:
+    """The decode calls for rows whose context buckets are `contexts` (row i needs contexts[i]): the indices of each
+    call's rows, in row order within a call. One call at the longest row's bucket (the short rows read null blocks
+    up to it), or one call per bucket when that reads fewer bytes (the weights once per call): the recipe's choice."""
+    one = [list(range(len(contexts)))]
+    groups: dict[int, list[int]] = {}
+    for i, context in enumerate(contexts):
+        groups.setdefault(context, []).append(i)
+    if len(groups) < 2:
+        return one
+    by_bucket = sum(cost.call(len(rows), context) for context, rows in groups.items())
+    if by_bucket < cost.call(len(contexts), max(contexts)):
+        return [groups[c] for c in sorted(groups, reverse=True)]
+    return one

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from server.graphs.base import DTYPES, OneSlotGraph, checked_slots, decode_batch_for
-from server.graphs.blocks import KVBlocks
+from server.graphs.blocks import DECODE_COST_26B, KVBlocks, decode_calls
 from server.model.artifacts import GraphSpec
 from server.vendor.neuron_prelude import prepare_neuron_imports
 
@@ -419,9 +419,11 @@ class JitGraphV4(JitGraphV3):
     (server/graphs/blocks.py `KVBlocks`): a slot takes blocks as its positions reach them, `rewind_slot` gives back
     those past where it continues (a newcomer in a slot rewinds it to its kept prefix, so an evicted conversation's
     blocks return to the pool). Each call runs at the context bucket of its longest row; spare rows share their real
-    row's table (their writes land past its last position or in the null block). The pool refuses (MemoryError)
-    when it is short; the default build (`--kv-blocks` unset) holds every slot at the largest context, so slot
-    admission is enough until the scheduler admits by free blocks (`free_tokens`).
+    row's table (their writes land past its last position or in the null block). Rows of different context buckets
+    decode in one call at the longest row's bucket or one call per bucket, whichever the roofline's cost model
+    (`decode_cost`, graphs/blocks.py `decode_calls`) says reads less. The pool (`pool`, graphs/base.py `KVPool`) is
+    what the engine's scheduler admits by; it refuses (MemoryError) a call it is short for, which the scheduler
+    never makes (it evicts idle slots' blocks or preempts a row first).
     """
 
     def __init__(self, path: Path | str, spec: GraphSpec, *, vocab_size: int, final_softcap: float | None,
@@ -431,6 +433,26 @@ class JitGraphV4(JitGraphV3):
         # n > 1: v3's copy_slot copies the per-slot states, which here would leave the global layers' blocks behind;
         # until a copy lends and fills the destination's blocks, a v4 build's choices wait (as without a copy graph).
         self.copies_slots = False
+        self.decode_cost = DECODE_COST_26B  # what a call reads (the 26B's projection; a test may force a split)
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, slots: Sequence[int] | torch.Tensor, *,
+               on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+        """v3's decode, as one call or one per context bucket (the class docs); logits [B, V] in row order."""
+        ids = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+        if positions.dim() != 2 or len(ids) != positions.shape[0] or embeds.shape[0] != len(ids):
+            return super().decode(embeds, positions, ids, on_submit=on_submit)  # v3 says what is wrong
+        ends = [int(p) + 1 for p in positions[:, 0].tolist()]
+        calls = decode_calls([self.pool.context_for(end) for end in ends], self.decode_cost)
+        if len(calls) == 1:
+            return super().decode(embeds, positions, ids, on_submit=on_submit)
+        for slot, end in zip(ids, ends, strict=True):  # every row's blocks before the first call
+            self.pool.reserve(slot, end)
+        logits = torch.empty(len(ids), self.vocab_size)  # [B, V]
+        for n, rows in enumerate(calls):
+            index = torch.tensor(rows)  # [b]
+            logits[index] = super().decode(embeds[index], positions[index], [ids[i] for i in rows],
+                                           on_submit=on_submit if n == 0 else None)  # [b, V]
+        return logits
 
     def _tables(self, ids: list[int], ends: list[int], *, scored: bool = False) -> tuple[torch.Tensor, ...]:
         for slot, end in zip(ids, ends, strict=False):  # the real rows (spare rows follow them in `ids`)

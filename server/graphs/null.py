@@ -58,6 +58,8 @@ class NullGraph:
         # waits s_per_position longer per row per position of the call's context bucket (ROOFLINE_S_PER_POSITION).
         self.pool = kv_pool
         self.s_per_position = s_per_position
+        # A pool's slot copy would lend the destination blocks unasked: with a pool, a request's choices wait (v4's).
+        self.copies_slots = kv_pool is None
         batches = tuple(sorted(set(decode_batches or (batch_step_s or {}).keys() or (1,))))
         self.decode_batches = tuple(b for b in batches if b <= slots) or (1,)
         self._batch_for = decode_batch_for(self.decode_batches)

@@ -16,6 +16,7 @@ from server.engine.core import EngineCore
 from server.engine.runner import DeviceWatch
 from server.engine.scheduler import Policy
 from server.engine.types import Delta, Event, Finish, GenerationRequest, RequestHandle
+from server.graphs.blocks import KVBlocks
 from server.graphs.null import NullGraph
 from server.sampling.params import SamplingParams
 from tests.support.api_fixtures import null_host
@@ -36,9 +37,9 @@ class RecordingGraph(NullGraph):
     each call, after the graph's `on_submit` and before it returns."""
 
     def __init__(self, vocab_size: int, *, slots: int = 4, batches: Sequence[int] = (1, 2, 4), bucket: int = 8,
-                 max_total: int = 256, favoured_token: int | None = None) -> None:
+                 max_total: int = 256, favoured_token: int | None = None, kv_pool: KVBlocks | None = None) -> None:
         NullGraph.__init__(self, vocab_size, max_total=max_total, prefill_bucket=bucket, slots=slots,
-                           decode_batches=batches, favoured_token=favoured_token)
+                           decode_batches=batches, favoured_token=favoured_token, kv_pool=kv_pool)
         self.log: list[Call] = []
         self.during: Callable[[Call], None] = lambda call: None
 

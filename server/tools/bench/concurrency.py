@@ -20,12 +20,15 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from server.sampling.params import SamplingParams
 from server.tools.bench.report import percentile
+
+if TYPE_CHECKING:
+    from server.config import Settings
 
 SAMPLINGS = {"greedy": SamplingParams(temperature=0.0),
              "default": SamplingParams(temperature=1.0, top_k=64, top_p=0.95, seed=0)}
@@ -94,8 +97,9 @@ async def _streams(engine: Any, streams: int, tokens: int, params: SamplingParam
     host_per_step = max(wall_ms - device_ms, 0.0) / steps
     return {
         "aggregate_tok_s": len(in_window) / (end - start),
-        "itl_ms_p50": statistics.median(gaps),
-        "itl_ms_p99": percentile(gaps, 99),
+        # none when the late stream ran alone (a KV pool that admits one at a time: --null-kv-blocks)
+        "itl_ms_p50": statistics.median(gaps) if gaps else float("nan"),
+        "itl_ms_p99": percentile(gaps, 99) if gaps else float("nan"),
         "late_ttft_ms": (arrivals[-1][0] - submitted) * 1000,
         "late_ttft_steps": calls1 - calls0,  # graph calls from its arrival to its first token (its prefill included)
         "device_step_ms": device_ms / steps,
@@ -106,15 +110,18 @@ async def _streams(engine: Any, streams: int, tokens: int, params: SamplingParam
 
 
 def measure_concurrency(counts: Sequence[int], *, cache_root: Path, artifacts: Path | None = None, graph: str = "null",
-                        tokens: int = 64) -> dict[str, Any]:
-    """Results keyed by stream count (as strings, for JSON), each with one entry per sampling."""
-    from server.app.runtime import graph_loader, load_host
+                        tokens: int = 64, settings: Settings | None = None) -> dict[str, Any]:
+    """Results keyed by stream count (as strings, for JSON), each with one entry per sampling. `settings`: the null
+    graph's KV pool (--null-kv-blocks: admission by free KV at these shapes)."""
+    from server.app.runtime import graph_loader, load_host, pool_shape
 
     if artifacts is None:
-        from server.graphs.null import ROOFLINE_PREFILL_S, ROOFLINE_STEP_S, NullGraph
+        from server.graphs.blocks import KVBlocks
+        from server.graphs.null import ROOFLINE_PREFILL_S, ROOFLINE_S_PER_POSITION, ROOFLINE_STEP_S, NullGraph
         from server.tools.bench.host import bench_artifacts
 
-        host = load_host(bench_artifacts(cache_root), "null", cache_dir=cache_root)
+        host = load_host(bench_artifacts(cache_root), "null", cache_dir=cache_root, settings=settings)
+        shape = pool_shape("null", host.spec, settings)
         words = list(dict.fromkeys(host.tokenizer.encode(" the of and to in is that for it", add_special_tokens=False)))
         slots = max(max(counts), max(ROOFLINE_STEP_S))
 
@@ -122,12 +129,15 @@ def measure_concurrency(counts: Sequence[int], *, cache_root: Path, artifacts: P
             return NullGraph(host.structure.vocab_size, max_total=host.spec.max_total, prefill_bucket=host.spec.prefill_bucket,
                              host_softcap=host.structure.final_softcap, favoured_token=words[0], text_tokens=words[1:],
                              step_s=ROOFLINE_PREFILL_S, slots=slots, decode_batches=tuple(ROOFLINE_STEP_S),
-                             batch_step_s=ROOFLINE_STEP_S)
+                             batch_step_s=ROOFLINE_STEP_S, kv_pool=None if shape is None else KVBlocks(*shape),
+                             s_per_position=0.0 if shape is None else ROOFLINE_S_PER_POSITION)
 
         kind = "null graph, roofline step times (PROJECTION of the 26B on inf2.xlarge)"
+        if shape is not None:
+            kind += f", a KV pool of {shape[0]} blocks of {shape[1]}"
     else:
-        host = load_host(artifacts, graph, cache_dir=cache_root)
-        load = graph_loader(host)
+        host = load_host(artifacts, graph, cache_dir=cache_root, settings=settings)
+        load = graph_loader(host, settings)
         kind = f"{graph} graph from {artifacts} (measured)"
     tokens = min(tokens, host.spec.max_total - PROMPT - 17)
     results: dict[str, Any] = {"graph": kind, "tokens_per_stream": tokens, "prompt_tokens": PROMPT}
