@@ -85,6 +85,14 @@ def test_four_choices_prefill_once_and_decode_in_batches_of_four(server: LiveSer
     for i, ids in enumerate(choices):
         assert asyncio.run(alone(500 + i)) == ids, i
 
+    # The four again, the whole prompt now in the cache with its logits: no prefill at all; the first choice takes
+    # the kept logits, the other three copy its slot at once, and all four decode together from the first step.
+    before, calls = dict(engine.step_batches), len(prefills.calls)
+    assert asyncio.run(together()) == choices
+    assert len(prefills.calls) == calls
+    ran = {rows: n - before.get(rows, 0) for rows, n in engine.step_batches.items() if n > before.get(rows, 0)}
+    assert ran == {4: NEW - 1}
+
 
 def test_n_4_over_http_is_one_prefill_and_each_choice_its_seed_alone(server: LiveServer) -> None:
     """/v1/completions with n: 4 and a seed: choice i draws with seed + i (the chat route's rule), one prefill."""

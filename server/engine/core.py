@@ -152,13 +152,24 @@ class EngineCore:
         return seq if seq is None or self.scheduler.fits(seq) else None
 
     def _copy_source(self, seq: Sequence) -> Sequence | None:
-        """n > 1: the running choice whose prompt, not prefilled yet, `seq` copies once it is (None: it waits for the
-        choice before it to end, as on a graph that cannot copy slots)."""
+        """n > 1: the running choice whose prompt `seq` copies: once it is prefilled, or now when the source's slot holds
+        exactly that prompt (it was all in the cache, or its last chunk just ran) and nothing decoded past it yet.
+        None: it waits for the choice before it to end, as on a graph that cannot copy slots. (Not a slot that has
+        decoded on: a copy rewound to the prompt would miss the sliding layers' ring entries its tokens overwrote.)"""
         after = seq.after
         if after is None or not self.graph.copies_slots or seq.prompt_logprobs is not None:
             return None
         source = after.source or after  # the choice before it may be a copy itself: then its source
-        return source if source.chunks and source in self.scheduler.active else None
+        if source not in self.scheduler.active:
+            return None
+        return source if source.chunks or self._holds_prompt(source) else None
+
+    @staticmethod
+    def _holds_prompt(source: Sequence) -> bool:
+        """`source`'s slot holds its whole prompt, no more, with the logits its first token came from."""
+        kv = source.kv
+        return (kv is not None and source.held_logits is None and not source.scoring
+                and kv.kept_logits(source.prompt_keys) is not None and len(kv.tokens) == len(source.prompt_keys))
 
     def expire_waiting(self, now: float) -> None:
         """Waiting requests past their wall-clock limit end now (the watchdog's, even while the device is stuck)."""
@@ -244,7 +255,10 @@ class EngineCore:
             self._end(seq)
             return
         if seq.source is not None:  # its prompt is copied from its source's slot once prefilled
-            self.scheduler.add_copy(seq, seq.source)
+            source = seq.source
+            self.scheduler.add_copy(seq, source)
+            if not source.chunks:  # the source's slot holds the prompt already (`_copy_source`): copy it now
+                self._copy_now(source, seq)
             return
         kept = self.scheduler.add(seq)
         vision = self.runner.vision
@@ -262,6 +276,23 @@ class EngineCore:
         kept = self.scheduler.add(seq)
         if kept is not None:
             self._postprocess((seq,), kept.reshape(1, -1))  # [1, V]
+
+    def _copy_now(self, source: Sequence, seq: Sequence) -> None:
+        """n > 1: `seq`'s slot takes a copy of `source`'s, which holds their prompt and its kept logits, and `seq`
+        samples its first token from those logits (no prefill of its own)."""
+        assert source.kv is not None
+        logits = source.kv.kept_logits(source.prompt_keys)
+        assert logits is not None  # `_holds_prompt` said so, and no step ran since
+        try:
+            self.runner.copy_slot(source, seq)
+        except Exception as exc:  # noqa: BLE001 - this choice fails, its source and the others go on
+            log.exception("request %s: its slot copy failed", seq.handle.request.request_id)
+            self._fail([seq], f"{type(exc).__name__}: {exc}")
+            return
+        self.scheduler.copied(seq)
+        assert seq.kv is not None
+        seq.kv.keep(seq.prompt_keys, logits)  # [1, 1, V]
+        self._postprocess((seq,), logits.reshape(1, -1))  # [1, V]
 
     def _drop_waiting(self, seq: Sequence, reason: str, prompt: int | None = None) -> None:
         """A waiting request ends unrun; one preempted earlier ends as a running one would (its tokens counted, its

@@ -70,6 +70,12 @@ class KVSlot:
         common = _common(self.tokens, ids[:-1]) if prefix_reuse else 0
         return self._truncate(common), None
 
+    def kept_logits(self, prompt: Sequence[int]) -> torch.Tensor | None:
+        """The kept last logits [1, 1, V] when `prompt` is the kept one and all of it is in the slot, else None."""
+        kept = self._kept
+        ids = list(prompt)
+        return kept[1] if kept is not None and kept[0] == ids and self.tokens[: len(ids)] == ids else None
+
     def rewind_to(self, position: int) -> int:
         """Forget positions >= `position` (and the kept logits): where the next prefill starts (<= position)."""
         self._kept = None

@@ -6,7 +6,9 @@ a JSON-schema chat, a streamed Responses call, a streamed Messages call, a chat 
 after a few chunks (a cancellation), a one-token probe and the health, model and metrics routes. Printed: the
 process's RSS over time and its slope over the last two thirds of the run (MB/min, a least-squares line), p50/p99 of
 the inter-token gap and of TTFT over the streamed requests, the responses by status, and the KV slot gauges once the
-load has stopped: every request's slot (the cancelled ones' too) must be free again. Images are not in the mix: the
+load has stopped: every request's slot (the cancelled ones' too) must be free again. The clients run in a child
+process, so the RSS sampled is the server's alone (the clients' tallies grow with every token they time, and in one
+process that growth reads as a server leak). Images are not in the mix: the
 null graph has no vision encoder (a prompt with an image is refused with a 400 there); nor are tools on a model with
 no native tool-call format (the bench's default Gemma-3 tokenizer and template: tools are refused there by design).
 """
@@ -17,6 +19,7 @@ import asyncio
 import collections
 import itertools
 import json
+import multiprocessing
 import statistics
 import threading
 import time
@@ -122,6 +125,33 @@ async def _load(url: str, model: str, seconds: float, clients: int, tally: Tally
     await asyncio.gather(*(client_loop() for _ in range(clients)))
 
 
+def _client_process(url: str, model: str, seconds: float, clients: int, skip: frozenset[str], out: Any) -> None:
+    """The child process's body: the load, then its tally sent back whole through the pipe `out`."""
+    tally = Tally()
+    try:
+        asyncio.run(_load(url, model, seconds, clients, tally, skip))
+    finally:
+        out.send(tally)
+        out.close()
+
+
+def _load_elsewhere(url: str, model: str, seconds: float, clients: int, skip: frozenset[str]) -> Tally:
+    """The load in a spawned child (no copy of the server's threads or memory): the tally it saw."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_client_process, args=(url, model, seconds, clients, skip, send),
+                            name="soak-clients", daemon=True)
+    child.start()
+    send.close()  # the child holds the sending end: a child that dies leaves recv an EOFError, not a hang
+    try:
+        tally: Tally = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the soak's client process died (exit code {child.exitcode})") from None
+    finally:
+        child.join(60)
+    return tally
+
+
 def _slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, MB) samples, in MB per minute (0 with fewer than two)."""
     if len(samples) < 2:
@@ -179,7 +209,6 @@ def run_soak(artifacts: Path, *, seconds: float, clients: int = 6, sample_s: flo
             raise RuntimeError(f"the engine did not load: {engine.state_reason}")
         app.state.grammar.wait(600)  # the grammar vocabulary's one-off build is start-up, not load
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        tally = Tally()
         rss: list[tuple[float, float]] = []
         done = threading.Event()
 
@@ -195,8 +224,10 @@ def run_soak(artifacts: Path, *, seconds: float, clients: int = 6, sample_s: flo
         sampler.start()
         # A model without a native tool-call format refuses tools (a 400 by design): that kind is left out then.
         skip = frozenset() if host.info.protocol.calls is not None else frozenset({"tools"})
-        asyncio.run(_load(url, model, seconds, clients, tally, skip))
-        done.set()
+        try:
+            tally = _load_elsewhere(url, model, seconds, clients, skip)
+        finally:
+            done.set()
         sampler.join(30)
         rss.append((rss[-1][0] + 1e-3 if rss else 0.0, status_kib(field="VmRSS") / 1024))
         for _ in range(600):  # the last requests' Finish can trail their responses by a step
