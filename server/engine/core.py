@@ -281,18 +281,11 @@ class EngineCore:
         """n > 1: `seq`'s slot takes a copy of `source`'s, which holds their prompt and its kept logits, and `seq`
         samples its first token from those logits (no prefill of its own)."""
         assert source.kv is not None
-        logits = source.kv.kept_logits(source.prompt_keys)
-        assert logits is not None  # `_holds_prompt` said so, and no step ran since
-        try:
-            self.runner.copy_slot(source, seq)
-        except Exception as exc:  # noqa: BLE001 - this choice fails, its source and the others go on
-            log.exception("request %s: its slot copy failed", seq.handle.request.request_id)
-            self._fail([seq], f"{type(exc).__name__}: {exc}")
-            return
-        self.scheduler.copied(seq)
-        assert seq.kv is not None
-        seq.kv.keep(seq.prompt_keys, logits)  # [1, 1, V]
-        self._postprocess((seq,), logits.reshape(1, -1))  # [1, V]
+        kept = source.kv.kept_logits(source.prompt_keys)
+        assert kept is not None  # `_holds_prompt` said so, and no step ran since
+        logits = kept.reshape(1, -1)  # [1, V]
+        if self._copy_prompt(source, seq, logits):
+            self._postprocess((seq,), logits)
 
     def _drop_waiting(self, seq: Sequence, reason: str, prompt: int | None = None) -> None:
         """A waiting request ends unrun; one preempted earlier ends as a running one would (its tokens counted, its
@@ -371,19 +364,22 @@ class EngineCore:
     def _share_prompt(self, seq: Sequence, logits: torch.Tensor) -> tuple[tuple[Sequence, ...], torch.Tensor]:
         """`seq`'s prompt is prefilled: its slot copied into each choice waiting for it, which reuse its logits [1, V].
         The rows to sample and their logits [B, V] (a view: every row the same)."""
-        rows = [seq]
-        for choice in self.scheduler.copies_of(seq):
-            try:
-                self.runner.copy_slot(seq, choice)
-            except Exception as exc:  # noqa: BLE001 - that choice fails, the others go on
-                log.exception("request %s: its slot copy failed", choice.handle.request.request_id)
-                self._fail([choice], f"{type(exc).__name__}: {exc}")
-                continue
-            self.scheduler.copied(choice)
-            assert choice.kv is not None
-            choice.kv.keep(choice.prompt_keys, logits[:, None])  # [1, 1, V]: the same prompt again needs no call
-            rows.append(choice)
-        return tuple(rows), logits.expand(len(rows), -1)
+        rows = (seq, *(choice for choice in self.scheduler.copies_of(seq) if self._copy_prompt(seq, choice, logits)))
+        return rows, logits.expand(len(rows), -1)
+
+    def _copy_prompt(self, source: Sequence, choice: Sequence, logits: torch.Tensor) -> bool:
+        """`choice`'s slot takes a copy of `source`'s prefilled prompt and keeps its last logits [1, V] (the same prompt
+        again needs no call). False: the copy failed, and `choice` with it (its source and the others go on)."""
+        try:
+            self.runner.copy_slot(source, choice)
+        except Exception as exc:  # noqa: BLE001 - that choice fails, the others go on
+            log.exception("request %s: its slot copy failed", choice.handle.request.request_id)
+            self._fail([choice], f"{type(exc).__name__}: {exc}")
+            return False
+        self.scheduler.copied(choice)
+        assert choice.kv is not None
+        choice.kv.keep(choice.prompt_keys, logits[:, None])  # [1, 1, V]
+        return True
 
     def _publish_held(self) -> None:
         for seq in self.scheduler.decoding:

@@ -52,8 +52,7 @@ class KVSlot:
         if not prefix_reuse:
             return 0
         ids = list(prompt)
-        kept = self._kept
-        if kept is not None and kept[0] == ids and self.tokens[: len(ids)] == ids:
+        if self.kept_logits(ids) is not None:
             return len(ids)
         return _common(self.tokens, ids[:-1])
 
@@ -61,11 +60,11 @@ class KVSlot:
         """Rewind the slot to what it can keep of `prompt`: (the position prefill starts at, the kept logits [1, 1, V]
         when the whole prompt is in the cache with its logits: then nothing is to be prefilled)."""
         ids = list(prompt)
-        kept = self._kept
-        if kept is not None and prefix_reuse and kept[0] == ids and self.tokens[: len(ids)] == ids:
+        kept = self.kept_logits(ids) if prefix_reuse else None
+        if kept is not None:
             start = self._truncate(len(ids))
             if start == len(ids):
-                return start, kept[1]  # Sampler.sample never modifies its input: the kept copy stays as it was
+                return start, kept  # Sampler.sample never modifies its input: the kept copy stays as it was
         self._kept = None  # whatever is prefilled next replaces it (and a cancelled prefill leaves none)
         common = _common(self.tokens, ids[:-1]) if prefix_reuse else 0
         return self._truncate(common), None
