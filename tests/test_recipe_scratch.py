@@ -8,6 +8,8 @@
 - `--residency` counts those graphs: the 26B's prefill scratch at 32k (tp 2, int8 attention, buckets 128,512) is at
   most 0.35 GB per rank, where every-row logits and untiled scores needed 1.6 GB.
 - graph.json: a record without `prefill_logits` (every older build) is served as every-row prefill.
+- The dense experts path in groups (`--expert-group`, v4's default 16) sums what one pass sums: the same logits for
+  dense and selective layouts, f32 and int8 weights, and a group that does not divide the experts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -99,3 +102,33 @@ def test_graph_json_without_the_record_is_every_row_prefill() -> None:
     assert GraphSpec.from_json(new.to_json()) == new
     with pytest.raises(ValueError, match="score graph at the smallest prefill bucket"):
         GraphSpec.from_json({**old, "prefill_logits": "last", "score_buckets": [16]})
+
+
+@pytest.mark.parametrize("experts", ["dense", "selective"])
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_experts_in_groups_equal_one_pass(experts: str, quant: str) -> None:
+    """8 experts 3 a pass (3, 3, 2) against all 8 at once, the same weights: every prefill row's logits agree to f32
+    round-off, in a graph above the selective path's token limit (its dense path groups too); the passes ran."""
+    cfg = recipe.text_config_from_dict(TINY)
+    plan = recipe.Plan(contract="v4", buckets=(8, 16), kv_slots=2, decode_batches=(1, 2), max_total=128,
+                       kv_blocks=24, block_size=16, context_buckets=(64, 128), experts=experts, quant=quant)
+    whole = recipe.build_model(cfg, plan)
+    recipe.randomize(whole)
+    grouped = recipe.build_model(cfg, dataclasses.replace(plan, expert_group=3))
+    grouped.load_state_dict(whole.state_dict())
+    assert {layer.experts.group for layer in grouped.layers} == {3}
+    inputs = recipe.example_inputs(cfg, 16, 20, 128, "v4", blocks_of=(24, 16))
+    passes: list[slice | None] = []
+    original = recipe.DenseExperts.expert_sum
+
+    def record(self, hidden, weights, chosen):
+        passes.append(chosen)
+        return original(self, hidden, weights, chosen)
+
+    with torch.no_grad(), mock.patch.object(recipe.DenseExperts, "expert_sum", record):
+        expected = whole(*inputs)[0]  # [1, T, V]
+        assert passes == [None] * TINY["num_hidden_layers"]  # one pass per layer, the weights unsliced
+        passes.clear()
+        got = grouped(*inputs)[0]
+    assert passes == [slice(0, 3), slice(3, 6), slice(6, 9)] * TINY["num_hidden_layers"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

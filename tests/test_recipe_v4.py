@@ -11,7 +11,8 @@ give their blocks back when they end; a newcomer decodes in blocks another conve
 
 The build has v4's bounded prefill scratch (the defaults): prefill graphs return the last real row's logits
 (`last_index`), a score graph at the smallest bucket and the largest context returns every row for scored prompts, and
-the global layers attend in query tiles (`--query-tile 4`: 2 and 8 tiles a call, the CPU trace serving both buckets).
+the global layers attend in query tiles (`--query-tile 4`: 2 and 8 tiles a call, the CPU trace serving both buckets),
+and the prefill's dense experts run a group at a time (`--expert-group 3`: 3 passes over the 8 experts).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 WINDOW, BUCKETS, SLOTS, BATCHES = 12, (8, 32), 4, (1, 2, 4)
 BLOCK, CONTEXTS, POOL = 16, (64, 256), 24
 TILE = 4  # query rows a tile: several tiles per prefill call of either bucket
+GROUP = 3  # experts a pass of the prefill's dense experts: 3, 3 and 2 of the tiny model's 8
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def build_args(checkpoint: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out), "--target", "cpu",
             "--contract", "v4", "--context-buckets", ",".join(map(str, CONTEXTS)), "--block-size", str(BLOCK),
             "--kv-blocks", str(POOL), "--prefill-buckets", ",".join(map(str, BUCKETS)), "--kv-slots", str(SLOTS),
-            "--decode-batches", ",".join(map(str, BATCHES)), "--quant", "none", "--query-tile", str(TILE), *extra]
+            "--decode-batches", ",".join(map(str, BATCHES)), "--quant", "none", "--query-tile", str(TILE),
+            "--expert-group", str(GROUP), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +163,7 @@ def test_artifact_declares_contract_v4(artifacts: Path) -> None:
     assert record["kv_cache"]["sliding_attention"][0] == SLOTS
     # bounded prefill scratch: last-row prefill graphs, one score graph (smallest bucket, largest context), tiles
     assert (record["prefill_logits"], record["score_buckets"], record["query_tile"]) == ("last", [min(BUCKETS)], TILE)
+    assert record["expert_group"] == GROUP
     assert record["inputs"]["last_index"] == ["int64", [1]]
     assert record["graphs"]["score"] == {"B": [1], "T": [min(BUCKETS)], "NBc": [max(CONTEXTS) // BLOCK]}
 

@@ -55,8 +55,9 @@ row b's position p in block ``block_table[b, p // BS]`` (``BlockCache``, ``table
 pads write into). One graph per (bucket or decode batch) x context bucket (NBc = context / BS). Prefill scratch is
 bounded as v3's by default: prefill graphs take ``last_index`` after the table, one score graph at the smallest bucket
 and the largest context (``Plan.score_context``) returns every row, and global layers attend in query tiles over the
-gathered blocks (``DEFAULT_QUERY_TILE_V4``); ``--prefill-logits all --query-tile 0`` builds them unbounded. ``--slot-table`` and
-``--roofline`` with ``--contract v4`` project the issue's conversation mixes and the decode cost by context.
+gathered blocks (``DEFAULT_QUERY_TILE_V4``), and the prefill's dense experts run a group a pass
+(``DEFAULT_EXPERT_GROUP_V4``); ``--prefill-logits all --query-tile 0 --expert-group 0`` builds them unbounded.
+``--slot-table`` and ``--roofline`` with ``--contract v4`` project the issue's conversation mixes and the decode cost by context.
 Reports without ``--config`` use the 26B-A4B's own text config (``CONFIG_26B``).
 
 Images (``--vision``, v2/v3; issue 27). Two additions:
@@ -160,15 +161,28 @@ PREFILL_LOGITS = ("last", "all")
 # v2/v3 builds' default query tile for global layers (issue 34): 64 rows keep the 26B's live scores at 32k to
 # 16 heads x 64 x 33,280 x 4 B = 0.136 GB per rank; fewer rows only add ops (512 / 64 = 8 tiles per global layer)
 DEFAULT_QUERY_TILE = 64
-# v4's: its prefill also holds one global layer's K and V gathered from the pool (0.27 GB per rank at 64k), so its
-# tile is half v3's to keep the 26B's 64k prefill scratch within the core (0.61 GB, not 0.76); the folded matmul
-# still has 8 query heads x 32 = 256 rows per KV head, two full passes of the 128-row TensorEngine
-DEFAULT_QUERY_TILE_V4 = 32
+# v4's: its prefill also holds one global layer's K and V gathered from the pool (0.13 GB per rank at 32k), and its
+# score graph (every row's f32 logits, [128, V] = 0.13 GB) is compiled at the largest context, so its tile is a quarter
+# of v3's: the 26B's 32k score graph holds 0.32 GB (0.36 with 32-row tiles, above issue 34's 0.35). The folded matmul
+# still has 8 query heads x 16 = 128 rows per KV head, one full pass of the 128-row TensorEngine
+DEFAULT_QUERY_TILE_V4 = 16
 
 
 def default_query_tile(contract: str) -> int:
     """The query tile a build of `contract` gets unless --query-tile says otherwise (v1: none, untiled)."""
     return {"v2": DEFAULT_QUERY_TILE, "v3": DEFAULT_QUERY_TILE, "v4": DEFAULT_QUERY_TILE_V4}.get(contract, 0)
+
+
+# v4 builds' prefill experts run 16 of their local experts a pass (issue 34): a prefill's widest live tensor was the
+# dense path's gate+up of every local expert on every token, [T, E_l, 2I_l] (the 26B selective layout: 512 x 128 x
+# 704 x 4 B = 0.18 GB per rank), more than the attention's scores; 16 a pass hold 0.023 GB, and the same weights are
+# read once either way. v1-v3 keep one pass (0): their graphs trace exactly as before.
+DEFAULT_EXPERT_GROUP_V4 = 16
+
+
+def default_expert_group(contract: str) -> int:
+    """The experts per pass of a build of `contract`'s dense experts path unless --expert-group says otherwise."""
+    return {"v4": DEFAULT_EXPERT_GROUP_V4}.get(contract, 0)
 # The name the tiled attention is registered under in transformers' AttentionInterface
 TILED_ATTENTION = "gemma4_optb_query_tiles"
 
@@ -448,6 +462,10 @@ class DenseExperts(nn.Module):
     and a token's output is sum_e w[t, e] * expert_e(x_t) with w = the router's top-k weight for e, 0 otherwise:
     the same sum as HF's sparse loop, with static shapes. Rank r of tp holds experts [E_l*r, E_l*(r+1)); ``rank``
     is a runtime tensor ([r], sharded from arange(tp) like NxD's SPMDRank) so one traced graph serves every rank.
+
+    ``group`` (``Plan.expert_group``; 0 = all at once): the local experts run ``group`` at a time and their [N, H]
+    outputs are summed, so the live gate+up is [N, group, 2I], not [N, E_l, 2I] (prefill scratch). Same sum, same
+    weights read; one pass when group is 0 or covers the local experts, exactly the ungrouped graph.
     """
 
     keep_f32 = ("gate_up_scale", "down_scale")
@@ -463,13 +481,14 @@ class DenseExperts(nn.Module):
         quant: bool,
         dtype: torch.dtype,
         coll: Collectives,
+        group: int = 0,
     ) -> None:
         super().__init__()
         if num_experts % tp:
             raise ValueError(f"{num_experts} experts do not split over tp={tp}")
         self.num_experts, self.num_local = num_experts, num_experts // tp
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.act_fn, self.quant, self.coll = act_fn, quant, coll
+        self.act_fn, self.quant, self.coll, self.group = act_fn, quant, coll, group
         e, h, i = self.num_local, hidden_size, intermediate_size
 
         def param(*shape: int, dt: torch.dtype) -> nn.Parameter:
@@ -499,20 +518,38 @@ class DenseExperts(nn.Module):
     ) -> torch.Tensor:  # [N, H], [N, K], [N, K] -> [N, H]
         dtype = hidden_states.dtype
         weights = self.local_routing_weights(top_k_index, top_k_weights).to(dtype)  # [N, E_l]
-        if self.quant:
-            gate_up = torch.einsum("nh,eoh->neo", hidden_states, self.gate_up_qweight.to(dtype))  # [N, E_l, 2I]
-            gate_up = (gate_up.float() * self.gate_up_scale).to(dtype)
+        group = self.group if 0 < self.group < self.num_local else 0
+        if not group:
+            out = self.expert_sum(hidden_states, weights, None)  # [N, H]
         else:
-            gate_up = torch.einsum("nh,eoh->neo", hidden_states, self.gate_up_proj)  # [N, E_l, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)  # [N, E_l, I] each
-        # Weighting before the (linear) down projection lets the expert sum fold into the contraction.
-        inner = self.act_fn(gate) * up * weights.unsqueeze(-1)  # [N, E_l, I]
+            # A static loop: ceil(E_l / group) passes, each of experts [lo, lo + group) (the last may be shorter)
+            out = functools.reduce(torch.add, [
+                self.expert_sum(hidden_states, weights[:, lo : lo + group], slice(lo, lo + group))
+                for lo in range(0, self.num_local, group)])  # [N, H]
         if self.quant:
-            per_expert = torch.einsum("nei,ehi->neh", inner, self.down_qweight.to(dtype))  # [N, E_l, H]
-            out = (per_expert.float() * self.down_scale).sum(dim=1).to(dtype)  # [N, H]
-        else:
-            out = torch.einsum("nei,ehi->nh", inner, self.down_proj)  # [N, H]
+            out = out.to(dtype)  # the int8 path's partials were summed in f32
         return self.coll.all_reduce(out)  # every rank adds its experts' share
+
+    def expert_sum(self, hidden_states: torch.Tensor, weights: torch.Tensor, experts: slice | None) -> torch.Tensor:
+        """sum_e w[:, e] * expert_e(x) over the local experts `experts` (None: all, the weights as they are, no slice
+        in the graph): [N, H], [N, G] -> [N, H], f32 for an int8 build (its scaled partials are summed in f32)."""
+        dtype = hidden_states.dtype
+
+        def part(t: torch.Tensor) -> torch.Tensor:  # [E_l, ...] -> [G, ...]
+            return t if experts is None else t[experts]
+
+        if self.quant:
+            gate_up = torch.einsum("nh,eoh->neo", hidden_states, part(self.gate_up_qweight).to(dtype))  # [N, G, 2I]
+            gate_up = (gate_up.float() * part(self.gate_up_scale)).to(dtype)
+        else:
+            gate_up = torch.einsum("nh,eoh->neo", hidden_states, part(self.gate_up_proj))  # [N, G, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, G, I] each
+        # Weighting before the (linear) down projection lets the expert sum fold into the contraction.
+        inner = self.act_fn(gate) * up * weights.unsqueeze(-1)  # [N, G, I]
+        if self.quant:
+            per_expert = torch.einsum("nei,ehi->neh", inner, part(self.down_qweight).to(dtype))  # [N, G, H]
+            return (per_expert.float() * part(self.down_scale)).sum(dim=1)  # [N, H] f32
+        return torch.einsum("nei,ehi->nh", inner, part(self.down_proj))  # [N, H]
 
     def extra_repr(self) -> str:
         return f"experts={self.num_local}/{self.num_experts}, int8={self.quant}"
@@ -548,6 +585,7 @@ class SelectiveExperts(DenseExperts):
         quant: bool,
         dtype: torch.dtype,
         coll: Collectives,
+        group: int = 0,
     ) -> None:
         nn.Module.__init__(self)  # DenseExperts' by-expert parameters are not built: this layout differs
         if intermediate_size % tp:
@@ -555,7 +593,8 @@ class SelectiveExperts(DenseExperts):
         self.num_experts = self.num_local = num_experts  # every rank holds every expert (its slice of I)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.top_k, self.selective_tokens = top_k, selective_tokens
-        self.act_fn, self.quant, self.coll = act_fn, quant, coll
+        # the dense path above selective_tokens groups its (all E, a slice of I each) experts as DenseExperts does
+        self.act_fn, self.quant, self.coll, self.group = act_fn, quant, coll, group
         e, h, i = num_experts, hidden_size, intermediate_size // tp
 
         def param(*shape: int, dt: torch.dtype, dim: int | None = None, stride: int = 1) -> nn.Parameter:
@@ -634,7 +673,7 @@ class SelectiveExperts(DenseExperts):
 def expert_module(cfg, plan: Plan, act_fn: Callable[[torch.Tensor], torch.Tensor], coll: Collectives) -> DenseExperts:
     """The MoE experts block the plan asks for: dense for every graph, or selective where the roofline says so."""
     shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, act_fn)
-    common = dict(tp=plan.tp, quant=plan.int8, dtype=plan.dtype, coll=coll)
+    common = dict(tp=plan.tp, quant=plan.int8, dtype=plan.dtype, coll=coll, group=plan.expert_group)
     if plan.experts == "dense":
         return DenseExperts(*shape, **common)
     if plan.experts == "selective":
@@ -965,6 +1004,9 @@ class Plan:
     # v2/v3: global layers attend a prefill's queries this many at a time (0: all at once), so one layer's live f32
     # scores are [heads, tile, ring], not [heads, T, ring] (``query_tiled_attention``)
     query_tile: int = 0
+    # v2+ (issue 34; v4's default 16): the dense experts path (prefill) runs this many local experts a pass and sums,
+    # so its live gate+up is [T, group, 2I], not [T, E_l, 2I] (0: all in one pass)
+    expert_group: int = 0
 
     @property
     def kv_int8(self) -> bool:
@@ -1574,12 +1616,15 @@ def residency(
     context_buckets: tuple[int, ...] = (),
     prefill_logits: str | None = None,
     query_tile: int | None = None,
+    expert_group: int | None = None,
 ) -> dict[str, int]:
     """Device bytes held by one rank, per component (every rank holds the same amount). v4: `kv_blocks` blocks of
     `block_size` positions in the global layers' pool and `kv_slots` sliding rings (one per running row).
 
-    `prefill_logits` / `query_tile` default to what a build of `contract` gets (v1: "all" rows, untiled; v2/v3/v4:
-    "last" and ``default_query_tile``), so the scratch counted is the scratch the build's graphs hold."""
+    `prefill_logits` / `query_tile` / `expert_group` default to what a build of `contract` gets (v1: "all" rows,
+    untiled; v2/v3/v4: "last" and ``default_query_tile``; v4: ``default_expert_group``), so the scratch counted is the
+    scratch the build's graphs hold. The experts are counted in the dense layout (E/tp experts of [2I, H] a rank):
+    the same resident bytes as the selective one, and its one-pass gate+up is as wide."""
     from accelerate import init_empty_weights
 
     ringed = contract in ("v2", "v3", "v4")
@@ -1588,7 +1633,8 @@ def residency(
                 decode_batches=tuple(decode_batches), kv_quant=kv_quant, kv_blocks=kv_blocks, block_size=block_size,
                 context_buckets=tuple(context_buckets or ((max_total,) if contract == "v4" else ())),
                 prefill_logits=prefill_logits or ("last" if ringed else "all"),
-                query_tile=default_query_tile(contract) if query_tile is None else query_tile)
+                query_tile=default_query_tile(contract) if query_tile is None else query_tile,
+                expert_group=default_expert_group(contract) if expert_group is None else expert_group)
     with init_empty_weights(include_buffers=True):
         model = RecipeModel(text_config, plan)
     states = set(model.state_names)
@@ -1653,14 +1699,15 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
       attention    one layer's live f32 scores and mask, the larger layer kind: a global layer's [heads, tile, ring]
                    + [tile, ring] (tile = Plan.query_tile rows, or T untiled), a sliding layer's [heads/tp, T, ring]
       activations  f32 rows of T tokens, 3 x hidden (residual, normed, attention out) + the widest row inside a
-                   layer (the global layer's queries, the shared MLP's gate+up, the routed experts' gate+up [E/tp, 2I])
+                   layer (the global layer's queries, the shared MLP's gate+up, the dense experts path's gate+up of one
+                   pass: [G, 2I_l], G = Plan.expert_group or all E_l local experts; dense E/tp x I, selective E x I/tp)
       gathered     v4 only: one global layer's K and V gathered from the pool in table order ([kvh, NBc * BS, D]
                    each, at the graph's context bucket; an int8 pool's read back widened), which the attention reads
                    (a v3 ring is read where it lies)
 
-    Not counted: an int8 experts build's per-expert down-projection partials [T, E/tp, H] before the scale and the sum
-    over experts (``prefill_experts_partials``, reported beside it): a contraction a compiler accumulates rather than
-    stores; on the CPU trace they are materialized.
+    Not counted: an int8 experts build's per-expert down-projection partials [T, G, H] of one pass before the scale and
+    the sum over experts (``prefill_experts_partials``, reported beside it): a contraction a compiler accumulates
+    rather than stores; on the CPU trace they are materialized.
     """
     cfg = text_config
     heads = int(cfg.num_attention_heads)
@@ -1670,10 +1717,13 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
     window = int(cfg.sliding_window) if cfg.sliding_window else None
     sliding_slots = plan.ring_slots(window) if plan.ringed else plan.max_total
     sliding_heads = heads // plan.tp if plan.tp > 1 else heads
-    experts_local = int(cfg.num_experts or 0) // plan.tp
+    experts = model.layers[0].experts  # every layer's block has the same layout
+    # one pass of the dense experts path: G of its local experts, each its gate+up rows ([E_l, 2I_l, H] on the rank)
+    gate_up = experts.gate_up_qweight if plan.int8 else experts.gate_up_proj
+    experts_local, gate_up_rows = int(gate_up.shape[0]), int(gate_up.shape[1])
+    per_pass = min(plan.expert_group, experts_local) if plan.expert_group else experts_local
     head_dim = max(int(layer.self_attn.head_dim) for layer in model.layers)  # the global layers' (512 on the 26B)
-    moe_inner = max(int(layer.experts.intermediate_size) for layer in model.layers)
-    widest = max(heads * head_dim, 2 * int(cfg.intermediate_size) // plan.tp, experts_local * 2 * moe_inner)
+    widest = max(heads * head_dim, 2 * int(cfg.intermediate_size) // plan.tp, per_pass * gate_up_rows)
     graphs = [(b, not plan.last_logits) for b in plan.buckets] + [(b, True) for b in plan.score_buckets]
     gathered = 0
     if plan.pooled:  # every v4 prefill graph of the largest context (and the score graph) gathers MAX keys a layer
@@ -1693,7 +1743,7 @@ def prefill_scratch(text_config, plan: Plan, model: RecipeModel) -> dict[str, in
     out = {"prefill_scratch_estimate": sum(best.values())}
     out.update({f"prefill_scratch_{name}": value for name, value in best.items()})
     if plan.int8:
-        out["prefill_experts_partials"] = 4 * max(plan.buckets) * experts_local * int(cfg.hidden_size)
+        out["prefill_experts_partials"] = 4 * max(plan.buckets) * per_pass * int(cfg.hidden_size)
     return out
 
 
@@ -1776,7 +1826,8 @@ def pool_table(text_config, tp: int, quant: str, buckets: tuple[int, ...], decod
                           kv_quant=kv_quant)
             pool = dict(contract="v4", kv_blocks=blocks, block_size=block_size, context_buckets=contexts, **common)
             sizes = residency(text_config, tp, quant, contexts[-1], **pool)
-            unbounded = residency(text_config, tp, quant, contexts[-1], prefill_logits="all", query_tile=0, **pool)
+            unbounded = residency(text_config, tp, quant, contexts[-1], prefill_logits="all", query_tile=0,
+                                  expert_group=0, **pool)
             v3 = residency(text_config, tp, quant, max(mix), contract="v3", **common)
             scratch = max(sizes["prefill_scratch_estimate"], sizes["decode_scratch_estimate"])
             table["rows"].append({
@@ -2634,7 +2685,8 @@ def write_graph_json(
 def logits_record(plan: Plan) -> dict:
     """graph.json's record of which rows the prefill graphs return (issue 34). Absent in older builds: every row,
     no score graph, untiled attention (the server keeps serving those as it always did)."""
-    record: dict = {"prefill_logits": plan.prefill_logits, "query_tile": plan.query_tile}
+    record: dict = {"prefill_logits": plan.prefill_logits, "query_tile": plan.query_tile,
+                    "expert_group": plan.expert_group}
     if plan.last_logits:
         record["score_buckets"] = list(plan.score_buckets)
         record["last_index"] = {
@@ -3102,7 +3154,8 @@ def plan_from_args(args: argparse.Namespace, **overrides: object) -> Plan:
                         kv_slots=args.kv_slots, decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
                         block_ids=bool(args.vision), vision_tp=args.vision_tp, kv_blocks=args.kv_blocks,
                         block_size=args.block_size, context_buckets=tuple(args.context_buckets),
-                        prefill_logits=args.prefill_logits, query_tile=args.query_tile)
+                        prefill_logits=args.prefill_logits, query_tile=args.query_tile,
+                        expert_group=args.expert_group)
     values.update(overrides)
     return Plan(**values)
 
@@ -3715,6 +3768,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--query-tile", type=int, default=None,
                    help=f"v2/v3/v4: global layers attend a prefill's queries this many rows at a time (default "
                         f"{DEFAULT_QUERY_TILE}, v4 {DEFAULT_QUERY_TILE_V4}; 0: all at once; v1: 0)")
+    p.add_argument("--expert-group", type=int, default=None,
+                   help=f"v2/v3/v4: the dense experts path (prefill) runs this many local experts a pass and sums "
+                        f"(default: v4 {DEFAULT_EXPERT_GROUP_V4}, v2/v3 0 = all in one pass; v1: 0)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="compute dtype (cpu: float32, neuron: bf16)")
     p.add_argument("--weights", choices=("inside", "separate"), default="inside",
                    help="v2: 'separate' traces the graph without weights and writes one safetensors file per rank")
@@ -3793,6 +3849,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--prefill-logits last and --query-tile need --contract v2, v3 or v4 (v1 is the published contract)")
     if args.query_tile < 0:
         p.error("--query-tile must be >= 0")
+    if args.expert_group is None:
+        args.expert_group = default_expert_group(args.contract)
+    if args.expert_group < 0:
+        p.error("--expert-group must be >= 0")
+    if not ringed and args.expert_group:
+        p.error("--expert-group needs --contract v2, v3 or v4 (v1 is the published contract)")
     if args.vision:
         if args.contract == "v1":
             p.error("--vision needs --contract v2 or v3 (the block-aware prefill)")
@@ -3832,7 +3894,8 @@ def main(argv: list[str] | None = None) -> int:
                           decode_batches=tuple(args.decode_batches), kv_quant=args.kv_quant,
                           kv_blocks=args.kv_blocks, block_size=args.block_size,
                           context_buckets=tuple(args.context_buckets),
-                          prefill_logits=args.prefill_logits, query_tile=args.query_tile)
+                          prefill_logits=args.prefill_logits, query_tile=args.query_tile,
+                          expert_group=args.expert_group)
         if args.vision:
             raw = report_config(args)
             vcfg = vision_config_from_dict(raw)
