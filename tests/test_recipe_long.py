@@ -1,5 +1,5 @@
-"""Long positions through the recipe's CPU v3 build (issue 34): a conversation longer than 32k tokens, token for
-token against transformers.
+"""Long positions through the recipe's CPU v3 and v4 builds (issue 34): a conversation longer than 32k tokens, token
+for token against transformers.
 
 A tiny Gemma-4 (tests/support/recipe_helpers.py's TINY: k_eq_v global layers with proportional partial RoPE, MoE
 beside the shared MLP, tied lm_head; here two layers, one sliding (window 8) and one global, two query heads on one
@@ -12,6 +12,11 @@ one into slot 1; then both decode in one batch of 2. Each must produce exactly t
 reference is `Gemma4ForCausalLM` itself, prefilled in chunks through its own cache (one pass over 32k positions would
 need [heads, 32k, 32k] scores). Both known porting bugs of Gemma-4 long positions (a global layer's RoPE taken as the
 sliding one's, or as full rather than proportional rotation) change these tokens long before 32k.
+
+The v4 build (KV by need) runs the same conversations with the global layer's KV in a pool of 256-position blocks
+read through each row's block table (contexts 4,096 and 33,280: the short row's table is 16 blocks wide, the long
+one's 130), its defaults' query tiles of 16 over the gathered blocks; the pool holds 131 + 1 blocks, fewer than two
+v3 slots' 2 x 130.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import pytest
 import torch
 
 from server.engine.buckets import plan_chunks
-from server.graphs.jit import JitGraphV3
+from server.graphs.jit import JitGraphV3, JitGraphV4
 from server.model.artifacts import GraphSpec
 from tests.support.recipe_helpers import SCRIPT, host_embeds, make_tiny_hf, save_tiny_checkpoint
 
@@ -37,6 +42,10 @@ LAYERS = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_atten
 BUCKETS, MAX, SLOTS, BATCHES = (64, 512), 33_280, 2, (1, 2)
 LONG, SHORT, NEW = 32_800, 45, 6
 REFERENCE_CHUNK = 1024  # the reference's prefill chunks: [heads, 1024, 32k] scores at most
+BLOCK, CONTEXTS, POOL = 256, (4096, MAX), 133  # v4: 129 blocks for the long row, 1 for the short one, the null block
+# what each contract's build adds to the command, and the tile its defaults record
+V4_ARGS = ["--block-size", str(BLOCK), "--context-buckets", ",".join(map(str, CONTEXTS)), "--kv-blocks", str(POOL)]
+CONTRACTS = {"v3": ([], 64, JitGraphV3), "v4": (V4_ARGS, 16, JitGraphV4)}
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +53,24 @@ def hf_model() -> torch.nn.Module:
     return make_tiny_hf(seed=3, **LAYERS)
 
 
-@pytest.fixture(scope="module")
-def graph(hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> JitGraphV3:
-    root = tmp_path_factory.mktemp("long")
+@pytest.fixture(scope="module", params=sorted(CONTRACTS))
+def graph(request: pytest.FixtureRequest, hf_model: torch.nn.Module,
+          tmp_path_factory: pytest.TempPathFactory) -> JitGraphV3:
+    contract = request.param
+    extra, tile, graph_class = CONTRACTS[contract]
+    root = tmp_path_factory.mktemp(f"long-{contract}")
     checkpoint = save_tiny_checkpoint(root / "checkpoint", hf_model)
     out = root / "artifacts"
     cmd = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out), "--target", "cpu",
-           "--contract", "v3", "--max-total", str(MAX), "--prefill-buckets", ",".join(map(str, BUCKETS)),
-           "--kv-slots", str(SLOTS), "--decode-batches", ",".join(map(str, BATCHES)), "--quant", "none"]
+           "--contract", contract, "--max-total", str(MAX), "--prefill-buckets", ",".join(map(str, BUCKETS)),
+           "--kv-slots", str(SLOTS), "--decode-batches", ",".join(map(str, BATCHES)), "--quant", "none", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     record = json.loads((out / "graph.json").read_text())
-    assert record["prefill_logits"] == "last" and record["score_buckets"] == [64] and record["query_tile"] == 64
+    assert record["prefill_logits"] == "last" and record["score_buckets"] == [64] and record["query_tile"] == tile
     spec = GraphSpec.from_json(record)
-    return JitGraphV3(out / "model.pt", spec, vocab_size=hf_model.config.vocab_size,
-                      final_softcap=hf_model.config.final_logit_softcapping)
+    return graph_class(out / "model.pt", spec, vocab_size=hf_model.config.vocab_size,
+                       final_softcap=hf_model.config.final_logit_softcapping)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -118,6 +130,8 @@ def test_a_32k_conversation_beside_a_short_one_matches_transformers(graph: JitGr
         for b, s in enumerate(slots):
             take(s, rows[b])
 
+    if isinstance(graph, JitGraphV4):  # each row holds the blocks its positions reached, no more
+        assert {s: graph.pool.held(s) for s in slots} == {0: -(-(LONG + NEW - 1) // BLOCK), 1: 1}
     for slot, prompt in prompts.items():
         assert tokens[slot] == reference_greedy(hf_model, prompt, NEW), f"slot {slot} ({len(prompt)} tokens)"
     assert min(margins) > 1e-4  # no step was a near-tie at float noise level: the comparison means something
