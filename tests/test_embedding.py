@@ -1,4 +1,5 @@
-"""HostEmbedding is bit-identical to the model's own scaled embedding module, from every accepted file format."""
+"""HostEmbedding is bit-identical to the model's own scaled embedding module, from every accepted file format; the
+engine has its table's file read through into the page cache once the graph is loaded (`warm`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from safetensors.torch import save_file
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
 from server.model.embedding import HostEmbedding, open_table
+from tests.support.api_fixtures import live_server, null_host, settings
+from tests.support.wait import wait_until
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,3 +96,25 @@ def test_a_dict_without_weight_is_refused(tmp_path: Path) -> None:
     torch.save({"embedding": torch.zeros(2, 2), "other": torch.zeros(1)}, path)
     with pytest.raises(ValueError, match="weight"):
         open_table(path)
+
+
+@pytest.mark.parametrize("layout", ["pt", "safetensors"])
+def test_warm_reads_the_tables_file_through(tmp_path: Path, layout: str) -> None:
+    table = torch.randn(3000, 64).to(torch.bfloat16)  # 384 KB
+    path = tmp_path / f"embed_tokens.{layout}"
+    torch.save(table, path) if layout == "pt" else save_file({"weight": table}, str(path))
+    embedding = HostEmbedding.open(path, 2.0)
+    thread = embedding.warm()
+    assert thread is not None and thread.daemon
+    thread.join(30)
+    assert embedding.warmed == path.stat().st_size
+    assert torch.equal(embedding.lookup([5]), table[5:6].unsqueeze(0) * 2.0)  # the table is as it was
+    assert HostEmbedding(table, 2.0).warm() is None  # no file behind it: nothing to read
+
+
+def test_the_engine_warms_the_table_once_loaded() -> None:
+    host = null_host()
+    assert host.embedding.source is not None and host.embedding.warming is None
+    with live_server(settings(), host=host):
+        size = host.embedding.source.stat().st_size
+        wait_until(lambda: host.embedding.warmed == size, "the table's file read through")

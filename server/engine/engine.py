@@ -231,6 +231,9 @@ class Engine:
         try:
             self.graph = graph = self._load_graph()
             vision = self._load_vision() if self._load_vision is not None else None
+            # after the graph, whose weights' reads it would slow: the table's rows into the page cache before the
+            # first prompts look them up on this thread
+            self.embedding.warm()
             if self._on_loaded is not None:
                 self._on_loaded()
         except Exception as exc:  # noqa: BLE001 - reported by `state`
