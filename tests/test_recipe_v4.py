@@ -250,6 +250,7 @@ def test_a_table_of_no_context_bucket_is_refused(model: torch.jit.ScriptModule, 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--kv-blocks", "1"], "kv_blocks must be >= 2"),
     (["--block-size", "24"], "multiple of the block size"),
+    (["--expert-group", "-1"], "--expert-group must be >= 0"),
     (["--contract", "v3", "--kv-blocks", "8"], "--kv-blocks and --context-buckets need --contract v4"),
 ])
 def test_bad_v4_flags_are_refused(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
