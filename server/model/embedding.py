@@ -78,12 +78,15 @@ class HostEmbedding:
         return embedding
 
     def warm(self) -> threading.Thread | None:
-        """Read the table's file once on a daemon thread at low priority (None: a table not opened from a file).
+        """Read the table's file once on a daemon thread at low priority (None: a table not opened from a file; the
+        thread already started if an engine warmed it before).
         Page-cache pages, not this process's memory: the kernel may drop them again under pressure, and a lookup
         faults them back in as it did before. posix_fadvise(WILLNEED) would be the one-call way; on this machine's
         filesystem it read nothing."""
         if self.source is None:
             return None
+        if self.warming is not None:  # once per table: an engine started again on the same host reads nothing more
+            return self.warming
         self.warming = threading.Thread(target=self._read_through, args=(self.source,), name="embedding-warm",
                                         daemon=True)
         self.warming.start()
