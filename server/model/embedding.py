@@ -55,7 +55,8 @@ def _open_safetensors(path: Path) -> torch.Tensor:
 class HostEmbedding:
     """rows x scale, computed in the dtype the graph consumes, exactly as the model's own embedding module would."""
 
-    def __init__(self, table: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, table: torch.Tensor, scale: float, dtype: torch.dtype | None = None, *,
+                 source: Path | None = None) -> None:
         assert table.dim() == 2, "table must be [vocab, hidden]"
         self.table = table  # [V, H], memory-mapped
         self.dtype = dtype or table.dtype
@@ -67,15 +68,13 @@ class HostEmbedding:
         # as `rows.to(dtype) * scale`. Only where that promotion lands on `dtype` (not for an f32 table read as bf16).
         promoted = torch.promote_types(table.dtype, self.dtype) == self.dtype
         self._row_scale = self.scale.reshape(1, 1, 1) if promoted else None
-        self.source: Path | None = None  # the file the table is mapped from (`open`), what `warm` reads
+        self.source = source  # the file the table is mapped from (`open`), what `warm` reads
         self.warmed = 0  # bytes `warm` has read
         self.warming: threading.Thread | None = None  # `warm`'s thread
 
     @classmethod
     def open(cls, path: Path | str, scale: float, dtype: torch.dtype | None = None) -> HostEmbedding:
-        embedding = cls(open_table(path), scale, dtype)
-        embedding.source = Path(path)
-        return embedding
+        return cls(open_table(path), scale, dtype, source=Path(path))
 
     def warm(self) -> threading.Thread | None:
         """Read the table's file once on a daemon thread at low priority (None: a table not opened from a file; the

@@ -3845,16 +3845,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.prefill_logits = "last" if ringed else "all"
     if args.query_tile is None:
         args.query_tile = default_query_tile(args.contract)
-    if not ringed and (args.prefill_logits != "all" or args.query_tile):
-        p.error("--prefill-logits last and --query-tile need --contract v2, v3 or v4 (v1 is the published contract)")
-    if args.query_tile < 0:
-        p.error("--query-tile must be >= 0")
     if args.expert_group is None:
         args.expert_group = default_expert_group(args.contract)
+    if not ringed and (args.prefill_logits != "all" or args.query_tile or args.expert_group):
+        p.error("--prefill-logits last, --query-tile and --expert-group need --contract v2, v3 or v4 (v1 is the "
+                "published contract)")
+    if args.query_tile < 0:
+        p.error("--query-tile must be >= 0")
     if args.expert_group < 0:
         p.error("--expert-group must be >= 0")
-    if not ringed and args.expert_group:
-        p.error("--expert-group needs --contract v2, v3 or v4 (v1 is the published contract)")
     if args.vision:
         if args.contract == "v1":
             p.error("--vision needs --contract v2 or v3 (the block-aware prefill)")
