@@ -167,7 +167,7 @@ def _add_bench_parts(parts: _Subcommands) -> None:
                       metavar="DIR", help=f"where the 26B-shaped bench table lives, built on first use (default: "
                       f"{DEFAULT_CACHE})")
     _add_json(fair)
-    soak = parts.add_parser("soak", help="a bounded mixed HTTP load (chat, Responses, Messages, tools, JSON, "
+    soak = parts.add_parser("soak", help="a bounded mixed HTTP load (chat, Responses, Messages, tools, JSON, images, "
                             "cancellations, probes) on the null graph with roofline step times: RSS over time and its "
                             "slope, inter-token gap and TTFT p50/p99, responses by status, KV slots freed")
     soak.add_argument("--minutes", type=float, default=None, metavar="N", help="how long the load runs (default: 30)")
@@ -176,7 +176,8 @@ def _add_bench_parts(parts: _Subcommands) -> None:
     soak.add_argument("--sample-s", type=float, default=10.0, metavar="S",
                       help="seconds between two RSS samples (default: 10)")
     soak.add_argument("--artifacts", dest="soak_artifacts", type=Path, default=None, metavar="DIR",
-                      help="the artifacts whose tokenizer and template serve (default: the bench's 26B shapes)")
+                      help="the export whose tokenizer, template, table and vision tower (if it kept one) serve "
+                      "(default: the bench's 26B shapes: text-only, no tool-call format)")
     _add_json(soak)
 
 

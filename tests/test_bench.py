@@ -16,10 +16,10 @@ import torch
 from server.sampling.params import SamplingParams
 from server.tools.bench.host import CONFIG_26B, full_sort_top_p
 from tests.support.configs import GEMMA4_26B_A4B
-from tests.support.gemma4_app import gemma4_host
 from tests.support.gemma4_tokenizer import gemma4_cfg_dir
 from tests.support.models import cache_root
 from tests.support.sampling_reference import GEMMA4_SOFTCAP, chi_square_ok, reference_probs
+from tests.support.vision import tiny_vision_checkpoint, vision_export
 
 KEYS = {
     "host_overhead_ms_per_token_p50", "host_overhead_ms_per_token_p99",
@@ -161,22 +161,23 @@ def test_bench_fairness_reports_each_scenario(tmp_path: Path) -> None:
 
 
 def test_bench_soak_runs_a_mixed_load_and_frees_every_slot(tmp_path: Path) -> None:
-    """`python -m server bench soak --seconds S`: the mixed HTTP load on the null graph (here for seconds, on the tiny
-    Gemma-4 export's artifacts: the Gemma-4 tokenizer and template, tool calls included); every kind of request ran,
-    all answered 200, the streams were timed, the cancelled requests' slots were freed, and the report is the usual
-    table then JSON line."""
-    gemma4_host(tmp_path / "gemma4")  # exports tmp_path/gemma4/artifacts
+    """`python -m server bench soak --seconds S`: the mixed HTTP load on the null graph (here for seconds, on a tiny
+    vision Gemma-4's `export --vision host`: the Gemma-4 tokenizer and template, tool calls included, and a vision
+    tower the host runs for the images); every kind of request ran, all answered 200, the streams were timed, the
+    cancelled requests' slots were freed, the RSS and its two parts were sampled, and the report is the usual table
+    then JSON line."""
+    artifacts = vision_export(tiny_vision_checkpoint(), tmp_path / "artifacts", prefill_bucket=128, max_total=1024)
     out = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, "-m", "server", "bench", "--cache-dir", str(cache_root()), "soak", "--seconds", "6",
-         "--clients", "4", "--sample-s", "1", "--artifacts", str(tmp_path / "gemma4" / "artifacts"), "--json", str(out)],
+        [sys.executable, "-m", "server", "bench", "--cache-dir", str(cache_root()), "soak", "--seconds", "8",
+         "--clients", "4", "--sample-s", "1", "--artifacts", str(artifacts), "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert json.loads(done.stdout.strip().splitlines()[-1]) == results
     kinds = json.loads(results["soak_requests_by_kind"])
-    assert set(kinds) == {"chat", "tools", "json", "responses", "messages", "cancel", "probe", "routes"}, kinds
+    assert set(kinds) == {"chat", "tools", "json", "responses", "messages", "image", "cancel", "probe", "routes"}, kinds
     assert results["soak_left_out"] == "none"
     statuses = json.loads(results["soak_responses_by_status"])
     assert results["soak_5xx"] == 0 and set(statuses) == {"200"}, results["soak_first_refusals"]
@@ -185,3 +186,8 @@ def test_bench_soak_runs_a_mixed_load_and_frees_every_slot(tmp_path: Path) -> No
     assert 0 < results["soak_ttft_ms_p50"] <= results["soak_ttft_ms_p99"]
     assert 0 < results["soak_itl_ms_p50"] <= results["soak_itl_ms_p99"]
     assert "soak rss_mb t=" in done.stdout and results["soak_rss_mb_last"] > 0
+    # VmRSS is its heap and its mapped files: each part sampled, each within the whole
+    assert 0 < results["soak_rss_anon_mb_last"] < results["soak_rss_mb_last"]
+    assert 0 < results["soak_rss_file_mb_last"] < results["soak_rss_mb_last"]
+    assert {"soak_rss_anon_slope_mb_per_min_last_two_thirds", "soak_rss_file_slope_mb_per_min_last_two_thirds"} <= set(
+        results)

@@ -12,7 +12,6 @@ the SDK's `BadRequestError` naming the block.
 from __future__ import annotations
 
 import base64
-import shutil
 import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +27,6 @@ from server.api.messages.translate import check_images
 from server.app.runtime import Host, build_engine, load_host
 from server.engine.engine import Engine
 from server.errors import AnthropicError
-from server.tools.export import export
 from tests.support.api_fixtures import LiveServer, live_server
 from tests.support.vision import (
     IMAGE_TOKEN,
@@ -40,7 +38,7 @@ from tests.support.vision import (
     reference_generate,
     reference_prompt,
     tiny_vision_checkpoint,
-    vision_cfg_dir,
+    vision_export,
 )
 from tests.test_vision import BUCKET, MAX_TOTAL, MODEL, vision_settings
 
@@ -98,11 +96,8 @@ def checkpoint() -> Path:
 
 @pytest.fixture(scope="module")
 def host(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Host:
-    artifacts = export(checkpoint, tmp_path_factory.mktemp("vision") / "artifacts", prefill_bucket=BUCKET,
-                       max_total=MAX_TOTAL, vision="host")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copyfile(vision_cfg_dir() / name, artifacts / "cfg" / name)
-    (artifacts / "cfg" / "special_tokens_map.json").unlink(missing_ok=True)
+    artifacts = vision_export(checkpoint, tmp_path_factory.mktemp("vision") / "artifacts", prefill_bucket=BUCKET,
+                              max_total=MAX_TOTAL)
     return load_host(artifacts, "hf", MODEL, settings=vision_settings(allow_image_urls=True))
 
 

@@ -10,7 +10,6 @@ content: the same image again reuses its KV, another image behind the same place
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -42,7 +41,7 @@ from tests.support.vision import (
     running_engine,
     served_openai,
     tiny_vision_checkpoint,
-    vision_cfg_dir,
+    vision_export,
 )
 
 MODEL = "tiny-vision"
@@ -61,11 +60,7 @@ def checkpoint() -> Path:
 
 
 def exported(checkpoint: Path, dest: Path) -> Host:
-    artifacts = export(checkpoint, dest, prefill_bucket=BUCKET, max_total=MAX_TOTAL, vision="host")
-    cfg = vision_cfg_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copyfile(cfg / name, artifacts / "cfg" / name)
-    (artifacts / "cfg" / "special_tokens_map.json").unlink(missing_ok=True)
+    artifacts = vision_export(checkpoint, dest, prefill_bucket=BUCKET, max_total=MAX_TOTAL)
     return load_host(artifacts, "hf", MODEL, settings=vision_settings())
 
 
@@ -162,7 +157,7 @@ def test_an_export_without_the_tower_serves_no_images(checkpoint: Path, tmp_path
         load_host(artifacts, "hf", MODEL, settings=vision_settings(vision="host"))
     # a graph that takes no image blocks would mask images causally: refused, not served wrong
     with pytest.raises(VisionUnavailable, match="block_ids"):
-        plan_vision("host", ArtifactDir(artifacts), "null", GraphSpec(), None)
+        plan_vision("host", ArtifactDir(artifacts), "jit", GraphSpec(), None)  # built without --vision
 
 
 def test_an_exported_tower_is_transformers_own(host: Host, checkpoint: Path) -> None:

@@ -7,6 +7,8 @@ recipe's projection of the 26B on inf2.xlarge), makes the worker wait as it wait
 The logits are a fixed random pattern (seeded), so sampling does real work over a realistic distribution,
 with a chosen token forced on top (greedy always picks it: the tokenizer's 'a') and a set of ordinary word
 tokens lifted just below it, so sampled generations are text too (every token shows up as a chunk).
+It takes image blocks (`block_ids`) as the hf graph does, and ignores them as it ignores the embeddings: with a host
+vision encoder (`--vision host`) the tower runs for real and only the language model is simulated.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ ROOFLINE_S_PER_POSITION = 2 * 20480 / (0.1861 * 820 * 2**30)
 
 class NullGraph:
     name = "null"
-    image_blocks = False
+    image_blocks = True  # block_ids taken and ignored (the module docs)
     copies_slots = True  # it holds no KV: a copy is a check of the slots
 
     def __init__(self, vocab_size: int, *, max_total: int = 512, prefill_bucket: int = 128,
@@ -101,7 +103,7 @@ class NullGraph:
 
     # The protocol over `slots` slots (with one, what OneSlotGraph's calls over forward / rewind would do).
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                on_submit: Callable[[], None] | None = None) -> torch.Tensor:
+                on_submit: Callable[[], None] | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         checked_slots([slot], self.slots)
         if self.pool is not None:
             self.pool.reserve(slot, int(positions[0, -1]) + 1)

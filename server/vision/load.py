@@ -68,7 +68,7 @@ def model_reads_images(config: Any) -> bool:
 
 def graph_takes_blocks(kind: str, spec: GraphSpec) -> bool:
     """Does the language graph of this kind take `block_ids` (the image-block contract, server.graphs.base)?"""
-    if kind == "hf":
+    if kind in ("hf", "null"):  # the null graph takes them and computes nothing either way
         return True
     if kind == "jit":  # a recipe --vision build: its prefill graphs take the ids (graph.json `block_ids`)
         return spec.block_ids

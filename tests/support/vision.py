@@ -143,6 +143,19 @@ def tiny_vision_checkpoint(dest: Path | None = None, *, seed: int = 1, sliding_w
     return save_checkpoint(model, dest, _add_vision_files)
 
 
+def vision_export(checkpoint: Path, dest: Path, *, prefill_bucket: int, max_total: int) -> Path:
+    """`export --vision host` of a tiny vision checkpoint into `dest`, served with `vision_cfg_dir()`'s tokenizer and
+    template (the media tokens and Gemma-4's tool calls): the artifact directory."""
+    from server.tools.export import export
+
+    artifacts = export(checkpoint, dest, prefill_bucket=prefill_bucket, max_total=max_total, vision="host")
+    cfg = vision_cfg_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copyfile(cfg / name, artifacts / "cfg" / name)
+    (artifacts / "cfg" / "special_tokens_map.json").unlink(missing_ok=True)
+    return artifacts
+
+
 def _add_vision_files(staging: Path) -> None:
     """The vision checkpoint's tokenizer and template (vision_cfg_dir's) and its image processor."""
     cfg = vision_cfg_dir()

@@ -40,34 +40,17 @@ MAX_TOTAL = 16384  # room for the 8k newcomer beside everything else
 BASELINE_S = 3.0  # how long the baseline scenario watches the streams
 
 
-def _graph_class() -> Any:
-    from server.graphs.null import NullGraph
-
-    class ImageNullGraph(NullGraph):
-        """The null graph taking image blocks (it computes nothing either way)."""
-
-        image_blocks = True
-
-        def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int, *, last_only: bool = False,
-                    on_submit: Callable[[], None] | None = None,
-                    block_ids: torch.Tensor | None = None) -> torch.Tensor:
-            return super().prefill(embeds, positions, slot, last_only=last_only, on_submit=on_submit)
-
-    return ImageNullGraph
-
-
 def _engine(host: Any, words: list[int], *, before: bool, vision: Any) -> Any:
     from server.app.process import single_threaded_torch
     from server.constraints.factory import ConstraintFactory
     from server.engine.engine import Engine
     from server.engine.scheduler import Alternate
-    from server.graphs.null import ROOFLINE_PREFILL_S, ROOFLINE_STEP_S
+    from server.graphs.null import ROOFLINE_PREFILL_S, ROOFLINE_STEP_S, NullGraph
 
     single_threaded_torch("null")
-    graph_class = _graph_class()
 
     def load() -> Any:
-        return graph_class(host.structure.vocab_size, max_total=MAX_TOTAL, prefill_bucket=host.spec.prefill_bucket,
+        return NullGraph(host.structure.vocab_size, max_total=MAX_TOTAL, prefill_bucket=host.spec.prefill_bucket,
                            host_softcap=host.structure.final_softcap, favoured_token=words[0], text_tokens=words[1:],
                            step_s=ROOFLINE_PREFILL_S, slots=8, decode_batches=tuple(ROOFLINE_STEP_S),
                            batch_step_s=ROOFLINE_STEP_S)

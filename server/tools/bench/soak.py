@@ -2,15 +2,20 @@
 roofline step times (server.graphs.null: a PROJECTION of the device, so what is measured is the host), in process.
 
 `clients` loops, each sending one request at a time, drawn in turn from a fixed mix: streamed chat, a tool-call chat,
-a JSON-schema chat, a streamed Responses call, a streamed Messages call, a chat stream the client walks away from
-after a few chunks (a cancellation), a one-token probe and the health, model and metrics routes. Printed: the
-process's RSS over time and its slope over the last two thirds of the run (MB/min, a least-squares line), p50/p99 of
-the inter-token gap and of TTFT over the streamed requests, the responses by status, and the KV slot gauges once the
-load has stopped: every request's slot (the cancelled ones' too) must be free again. The clients run in a child
-process, so the RSS sampled is the server's alone (the clients' tallies grow with every token they time, and in one
-process that growth reads as a server leak). Images are not in the mix: the
-null graph has no vision encoder (a prompt with an image is refused with a 400 there); nor are tools on a model with
-no native tool-call format (the bench's default Gemma-3 tokenizer and template: tools are refused there by design).
+a JSON-schema chat, a streamed Responses call, a streamed Messages call, a streamed chat with an image (a fresh
+random picture each time, at `detail: low`), a chat stream the client walks away from after a few chunks (a
+cancellation), a one-token probe and the health, model and metrics routes. Printed: the process's RSS over time
+(VmRSS, and its two parts: RssAnon, the heap, where a leak shows, and RssFile, the mapped files, the embedding
+table's pages among them, which grow as prompts touch new rows and are bounded by the table's size), each one's
+slope over the last two thirds of the run (MB/min, a least-squares line), p50/p99 of the inter-token gap and of
+TTFT over the streamed requests, the responses by status, and the KV slot gauges once the load has stopped: every
+request's slot (the cancelled ones' too) must be free again. The clients run in a child process, so the RSS
+sampled is the server's alone (the clients' tallies grow with every token they time, and in one process that
+growth reads as a server leak). A kind the artifacts cannot serve is left out (and named in `soak_left_out`):
+images without a vision tower in the export (the bench's default 26B shapes are text-only; an `export --vision host`
+of a Gemma-4 checkpoint has one, and the null graph takes its image blocks while the tower runs for real), tools
+on a model with no native tool-call format (the bench's default Gemma-3 tokenizer and template refuse them by
+design).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ WEATHER = {"type": "function", "function": {
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"],
           "additionalProperties": False}
 CHAT = "/v1/chat/completions"
+RSS_FIELDS = ("VmRSS", "RssAnon", "RssFile")  # /proc/self/status: the whole, the heap, the mapped files
 
 
 class Tally:
@@ -77,6 +83,24 @@ async def _post(client: httpx.AsyncClient, tally: Tally, path: str, body: dict[s
     return response.status_code, response.text
 
 
+async def _image_chat(client: httpx.AsyncClient, tally: Tally, model: str, n: int) -> tuple[int, str]:
+    """A streamed chat about a 64 x 64 picture of random pixels seeded by `n` (a new image each time: no encode is
+    reused), sent as a data URL at `detail: low` (70 soft tokens at most)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(n).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "text", "text": "What is in this picture?"},
+               {"type": "image_url", "image_url": {"url": url, "detail": "low"}}]
+    return await _stream(client, tally, CHAT, {"model": model, "messages": [{"role": "user", "content": content}],
+                                                "max_tokens": 24, "stream": True})
+
+
 async def _get(client: httpx.AsyncClient, tally: Tally, path: str) -> tuple[int, str]:
     response = await client.get(path)
     return response.status_code, response.text
@@ -95,6 +119,7 @@ def _mix(model: str, n: int) -> list[tuple[str, Callable[[httpx.AsyncClient, Tal
                                                                    "max_output_tokens": 40, "stream": True})),
         ("messages", lambda c, t: _stream(c, t, "/v1/messages", {"model": model, "messages": user, "max_tokens": 40,
                                                                  "stream": True})),
+        ("image", lambda c, t: _image_chat(c, t, model, n)),
         ("cancel", lambda c, t: _stream(c, t, CHAT, {"model": model, "messages": user, "max_tokens": 200,
                                                      "stream": True}, leave_after=4)),
         ("probe", lambda c, t: _post(c, t, CHAT, {"model": model, "messages": user, "max_tokens": 1})),
@@ -182,7 +207,9 @@ def run_soak(artifacts: Path, *, seconds: float, clients: int = 6, sample_s: flo
     from server.config import Settings
     from server.graphs.null import NULL_SLOTS, ROOFLINE_PREFILL_S, ROOFLINE_STEP_S, NullGraph
 
-    host = load_host(artifacts, "null", cache_dir=cache_root)
+    # --vision auto: the export's tower on the host when it kept one (images in the mix), else images off.
+    settings = Settings(artifacts=artifacts, graph="null", host="127.0.0.1", port=0, max_queue=64)
+    host = load_host(artifacts, "null", cache_dir=cache_root, settings=settings)
     words = list(dict.fromkeys(host.tokenizer.encode(" the of and to in is that for it", add_special_tokens=False)))
 
     def load() -> NullGraph:
@@ -191,7 +218,6 @@ def run_soak(artifacts: Path, *, seconds: float, clients: int = 6, sample_s: flo
                          favoured_token=words[0], text_tokens=words[1:], step_s=ROOFLINE_PREFILL_S, slots=NULL_SLOTS,
                          decode_batches=tuple(ROOFLINE_STEP_S), batch_step_s=ROOFLINE_STEP_S)
 
-    settings = Settings(artifacts=artifacts, graph="null", host="127.0.0.1", port=0, max_queue=64)
     engine = build_engine(host, settings, load=load)
     app = create_app(settings, engine, host.info)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
@@ -209,32 +235,41 @@ def run_soak(artifacts: Path, *, seconds: float, clients: int = 6, sample_s: flo
             raise RuntimeError(f"the engine did not load: {engine.state_reason}")
         app.state.grammar.wait(600)  # the grammar vocabulary's one-off build is start-up, not load
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        rss: list[tuple[float, float]] = []
+        rss: dict[str, list[tuple[float, float]]] = {field: [] for field in RSS_FIELDS}
         done = threading.Event()
+        begin = time.monotonic()
+
+        def take() -> None:
+            at = time.monotonic() - begin
+            for field in RSS_FIELDS:
+                rss[field].append((at, status_kib(field=field) / 1024))
 
         def sample() -> None:
-            begin = time.monotonic()
             while True:
-                rss.append((time.monotonic() - begin, status_kib(field="VmRSS") / 1024))
-                log(f"soak rss_mb t={rss[-1][0]:.0f}s {rss[-1][1]:.1f}")
+                take()
+                log(f"soak rss_mb t={rss['VmRSS'][-1][0]:.0f}s {rss['VmRSS'][-1][1]:.1f} "
+                    f"(anon {rss['RssAnon'][-1][1]:.1f}, file {rss['RssFile'][-1][1]:.1f})")
                 if done.wait(sample_s):
                     return
 
         sampler = threading.Thread(target=sample, name="soak-rss", daemon=True)
         sampler.start()
-        # A model without a native tool-call format refuses tools (a 400 by design): that kind is left out then.
-        skip = frozenset() if host.info.protocol.calls is not None else frozenset({"tools"})
+        # A model without a native tool-call format refuses tools (a 400 by design), one without a vision encoder
+        # images: those kinds are left out then.
+        skip = frozenset(kind for kind, served in (("tools", host.info.protocol.calls is not None),
+                                                   ("image", host.images is not None)) if not served)
         try:
             tally = _load_elsewhere(url, model, seconds, clients, skip)
         finally:
             done.set()
         sampler.join(30)
-        rss.append((rss[-1][0] + 1e-3 if rss else 0.0, status_kib(field="VmRSS") / 1024))
+        take()
         for _ in range(600):  # the last requests' Finish can trail their responses by a step
             if engine.running == 0:
                 break
             time.sleep(0.05)
-        tail = [s for s in rss if s[0] >= rss[-1][0] / 3]
+        end = rss["VmRSS"][-1][0]
+        tails = {field: [s for s in samples if s[0] >= end / 3] for field, samples in rss.items()}
         return {
             "soak_seconds": seconds,
             "soak_clients": clients,
@@ -250,9 +285,15 @@ def run_soak(artifacts: Path, *, seconds: float, clients: int = 6, sample_s: flo
             "soak_ttft_ms_p99": percentile(tally.ttft_ms, 99) if tally.ttft_ms else 0.0,
             "soak_itl_ms_p50": statistics.median(tally.gaps_ms) if tally.gaps_ms else 0.0,
             "soak_itl_ms_p99": percentile(tally.gaps_ms, 99) if tally.gaps_ms else 0.0,
-            "soak_rss_mb_first": rss[0][1],
-            "soak_rss_mb_last": rss[-1][1],
-            "soak_rss_slope_mb_per_min_last_two_thirds": _slope_mb_per_min(tail),
+            "soak_rss_mb_first": rss["VmRSS"][0][1],
+            "soak_rss_mb_last": rss["VmRSS"][-1][1],
+            "soak_rss_slope_mb_per_min_last_two_thirds": _slope_mb_per_min(tails["VmRSS"]),
+            "soak_rss_anon_mb_first": rss["RssAnon"][0][1],
+            "soak_rss_anon_mb_last": rss["RssAnon"][-1][1],
+            "soak_rss_anon_slope_mb_per_min_last_two_thirds": _slope_mb_per_min(tails["RssAnon"]),
+            "soak_rss_file_mb_first": rss["RssFile"][0][1],
+            "soak_rss_file_mb_last": rss["RssFile"][-1][1],
+            "soak_rss_file_slope_mb_per_min_last_two_thirds": _slope_mb_per_min(tails["RssFile"]),
             "soak_requests_running_after": engine.running,
             "soak_kv_slots_in_use_after": _gauge(url, "gemma4_kv_slots_in_use"),
         }
