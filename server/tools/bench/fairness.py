@@ -51,9 +51,9 @@ def _engine(host: Any, words: list[int], *, before: bool, vision: Any) -> Any:
 
     def load() -> Any:
         return NullGraph(host.structure.vocab_size, max_total=MAX_TOTAL, prefill_bucket=host.spec.prefill_bucket,
-                           host_softcap=host.structure.final_softcap, favoured_token=words[0], text_tokens=words[1:],
-                           step_s=ROOFLINE_PREFILL_S, slots=8, decode_batches=tuple(ROOFLINE_STEP_S),
-                           batch_step_s=ROOFLINE_STEP_S)
+                         host_softcap=host.structure.final_softcap, favoured_token=words[0], text_tokens=words[1:],
+                         step_s=ROOFLINE_PREFILL_S, slots=8, decode_batches=tuple(ROOFLINE_STEP_S),
+                         batch_step_s=ROOFLINE_STEP_S)
 
     engine = Engine(host.embedding, host.tokenizer, host.stop_token_ids, load, max_queue=32,
                     constraints=ConstraintFactory(host.structure.vocab_size), load_vision=lambda: vision,
