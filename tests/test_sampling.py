@@ -226,6 +226,21 @@ def test_topk_rows_equals_topk_of_each_row_ties_included(vocab: int, k: int) -> 
         assert row[row_ids].tolist() == row_values and len(set(row_ids)) == k  # each id holds its value
 
 
+
+def test_topk_rows_on_masked_and_nan_rows_equals_torch_topk() -> None:
+    # A constrained row (-inf but for a few tokens, fewer than k) and a row holding NaN (the threshold route cannot
+    # order it: torch.topk's own answer, NaN first), beside a plain row: each as torch.topk of that row alone.
+    x = tie_heavy_rows(3)
+    x[0, 10:] = float("-inf")  # 10 allowed tokens, k = 64
+    x[1, 12345] = float("nan")
+    values, ids = topk_rows(x, 64)
+    for row, row_values, row_ids in zip(x, values, ids, strict=True):
+        want = torch.topk(row, 64).values
+        assert torch.equal(torch.tensor(row_values).isnan(), want.isnan())
+        assert torch.tensor(row_values).nan_to_num(7.0).tolist() == want.nan_to_num(7.0).tolist()
+        assert len(set(row_ids)) == 64
+    assert values[0][:10] == torch.topk(x[0, :10], 10).values.tolist() and set(ids[0][:10]) == set(range(10))
+
 MIXED = [
     replace(DEFAULT, seed=1),
     replace(DEFAULT, seed=2, logprobs=True, top_logprobs=5),
