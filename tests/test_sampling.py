@@ -227,19 +227,24 @@ def test_topk_rows_equals_topk_of_each_row_ties_included(vocab: int, k: int) -> 
 
 
 
-def test_topk_rows_on_masked_and_nan_rows_equals_torch_topk() -> None:
-    # A constrained row (-inf but for a few tokens, fewer than k) and a row holding NaN (the threshold route cannot
-    # order it: torch.topk's own answer, NaN first), beside a plain row: each as torch.topk of that row alone.
-    x = tie_heavy_rows(3)
+def test_topk_rows_on_masked_nan_and_flat_rows_equals_torch_topk() -> None:
+    # A constrained row (-inf but for a few tokens, fewer than k), a row holding NaN (the threshold route cannot
+    # order it: torch.topk's own answer, NaN first) and a flat row (the column route for each), beside a plain row:
+    # each as torch.topk of that row, and each list the row's own alone.
+    x = tie_heavy_rows(4)
     x[0, 10:] = float("-inf")  # 10 allowed tokens, k = 64
     x[1, 12345] = float("nan")
+    x[3] = 0.5  # near-flat: every value ties, too many to sort
     values, ids = topk_rows(x, 64)
+    alone = [topk_rows(row[None], 64) for row in x]
+    assert ids == [i[0] for _, i in alone]  # the plain row's list is its own, whatever route the others took
     for row, row_values, row_ids in zip(x, values, ids, strict=True):
         want = torch.topk(row, 64).values
         assert torch.equal(torch.tensor(row_values).isnan(), want.isnan())
         assert torch.tensor(row_values).nan_to_num(7.0).tolist() == want.nan_to_num(7.0).tolist()
         assert len(set(row_ids)) == 64
     assert values[0][:10] == torch.topk(x[0, :10], 10).values.tolist() and set(ids[0][:10]) == set(range(10))
+
 
 MIXED = [
     replace(DEFAULT, seed=1),

@@ -50,7 +50,7 @@ _FIRST_PROBE = 64  # top-k off, min-p/top-p on: the first candidate count, grown
 _LAST_PROBE = 32_768
 # Up to this k, `topk_rows` starts from contiguous blocks of _ROW_BLOCK values (`_topk_rows_by_blocks`).
 _ROW_BLOCK, _ROW_BLOCK_TOP_K = 256, 64  # beyond this a full sort is about as cheap as another probe
-_ROW_CANDIDATES = 1024  # per row, on average: more values at or above the threshold take the column route
+_ROW_CANDIDATES = 1024  # a row with more values at or above the threshold takes the column route
 # Up to this top-k, steps 5-9 run on the k candidates as Python floats (`FLOATS`): a handful of torch calls
 # instead of ~25. What that buys is measured between device steps, where caches have gone cold and every torch
 # call costs ~25 us more (default sampling then: ~0.6 ms with tensors vs ~0.4 ms with Python floats here).
@@ -97,17 +97,29 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int
     few torch calls: the small-top-k route of `candidates` (one row) and of `sample_rows` (a step's rows) alike, so a
     row gets the same list, ties included, whether it is sampled alone or beside others.
 
-    Up to k = 64 from contiguous blocks of 256 (`_topk_rows_by_blocks`). Beyond, `topk`'s argument with *strided*
-    groups: row r's V values as a [G, W] grid, group j = column j (every W-th value). The k columns with the largest
-    maxima hold the k largest values (as `topk`'s blocks). A column maximum is an elementwise max down G contiguous
-    rows of W: one vectorised pass (~2x cheaper here than a block's amax over its own short contiguous run of G <= 32
-    values), then a top-k over W column maxima and one over the k columns' G * k values."""
+    Up to k = 64 from contiguous blocks of 256 (`_topk_rows_by_blocks`); a row they cannot bound takes the column
+    route alone (`_topk_rows_by_columns`), as it would alone, so one such row leaves the others' lists as they are."""
     rows, n = x.shape
-    if (k <= _ROW_BLOCK_TOP_K and n % _ROW_BLOCK == 0 and n // _ROW_BLOCK >= 2 * k and x.is_contiguous()
+    if not (k <= _ROW_BLOCK_TOP_K and n % _ROW_BLOCK == 0 and n // _ROW_BLOCK >= 2 * k and x.is_contiguous()
             and x.dtype == torch.float32 and x.device.type == "cpu"):
-        found = _topk_rows_by_blocks(x, k)
-        if found is not None:
-            return found  # else a row the threshold cannot bound: the column route below, which any row takes
+        return _topk_rows_by_columns(x, k)
+    values, ids = [], []
+    for r, found in enumerate(_topk_rows_by_blocks(x, k)):
+        if found is None:
+            by_columns = _topk_rows_by_columns(x[r : r + 1], k)  # of [1, V], a view
+            found = by_columns[0][0], by_columns[1][0]
+        values.append(found[0])
+        ids.append(found[1])
+    return values, ids
+
+
+def _topk_rows_by_columns(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """`topk_rows` for any k: `topk`'s argument with *strided* groups: row r's V values as a [G, W] grid, group j =
+    column j (every W-th value). The k columns with the largest maxima hold the k largest values (as `topk`'s
+    blocks). A column maximum is an elementwise max down G contiguous rows of W: one vectorised pass (~2x cheaper here
+    than a block's amax over its own short contiguous run of G <= 32 values), then a top-k over W column maxima and one
+    over the k columns' G * k values. Per row too: a row's list is the same alone or beside others."""
+    rows, n = x.shape
     group = _topk_block(k)  # G: values per column
     if not group or n % group or n // group < 2 * k or not x.is_contiguous():
         values, ids = torch.topk(x, k)  # [R, k] each: small, odd-sized or huge-k cases, the direct route
@@ -122,41 +134,39 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int
     return values.tolist(), ids
 
 
-def _topk_rows_by_blocks(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]] | None:
+def _topk_rows_by_blocks(x: torch.Tensor, k: int) -> list[tuple[list[float], list[int]] | None]:
     """`topk_rows` for a small k, from contiguous blocks of B: the block maxima in one torch pass (it streams the
     rows ~3x faster here than numpy's max), then `topk`'s argument with a threshold, in numpy on the few values left
-    (a numpy call costs a few us where each torch call here costs 10-40, and this stage is ~10 calls): the k blocks
-    of the largest maxima hold the k largest values, and t, the least of those k maxima, bounds everything outside
-    them (<= t) while they hold k values >= t. So the candidates are the values >= t inside those k blocks (about k
-    of them on a language model's row; at most k * B), sorted best first, the first k kept. Measured at V = 262144,
-    4 rows: ~2x less than the same argument in torch calls. Every step is per row (a row's blocks, threshold and order
+    (a numpy call costs a few us where a torch call here costs 10-40): the k blocks of the largest maxima hold the k
+    largest values, and t, the least of those k maxima, bounds everything outside them (<= t) while they hold k values
+    >= t. So a row's candidates are the values >= t inside its k blocks (about k of them on a language model's row),
+    sorted best first (equal values in block, then column order: stable), the first k kept. Measured at V = 262144:
+    4 rows ~2x less than the same argument in torch calls. Every step is per row (its blocks, threshold and order
     depend on its own values only), so a row's list is the same alone or beside others.
-    None when the threshold cannot bound a row's candidates (NaN, a masked row, a near-flat one): the caller takes
-    the column route, which any row can."""
+    None for a row the threshold cannot bound (NaN, a masked row with fewer than k blocks allowing a token, a
+    near-flat row): `topk_rows` takes the column route for it."""
     rows, n = x.shape
     block, count = _ROW_BLOCK, n // _ROW_BLOCK
-    x = x.detach()  # numpy views need it (logits never need gradients)
     maxima = x.view(rows, count, block).amax(2).numpy()  # (R, V/B) each block's maximum (NaN where one is)
-    if np.isnan(maxima).any():
-        return None  # no threshold orders NaN
-    blocks = x.numpy().reshape(rows * count, block)  # (R * V/B, B) a view of x
-    row_ids = np.arange(rows)  # (R,)
     top = np.argpartition(maxima, count - k, axis=1)[:, count - k:]  # (R, k) the k blocks of the largest maxima
-    threshold = maxima[row_ids, top[:, 0]]  # (R,) the least of them (argpartition puts it first)
-    if threshold.min() == -np.inf:
-        return None  # a masked row with fewer than k blocks allowing a token: every cell of its blocks would pass
-    cells = blocks[(top + (row_ids * count)[:, None]).ravel()]  # (R * k, B) those blocks, row by row (a copy)
-    flat = np.flatnonzero(cells >= np.repeat(threshold, k)[:, None])  # (m,) ascending: row r's are a run
-    if flat.size > _ROW_CANDIDATES * rows:
-        return None  # a near-flat row (equal values by the thousand): sorting them would cost more than the columns
-    values = cells.ravel()[flat]  # (m,)
-    owner = flat // (k * block)  # (m,) the row of each candidate
-    order = np.lexsort((-values, owner))  # row, then best first; equal values keep their place (stable)
-    flat, values, owner = flat[order], values[order], owner[order]
-    starts = np.searchsorted(owner, row_ids).tolist()  # R run starts, each run at least k long
-    ids = (top.ravel()[flat // block] * block + flat % block).tolist()  # (m,) vocabulary ids
-    value_list = values.tolist()
-    return [value_list[s : s + k] for s in starts], [ids[s : s + k] for s in starts]
+    blocks = x.numpy().reshape(rows, count, block)  # (R, V/B, B) a view of x
+    out: list[tuple[list[float], list[int]] | None] = []  # per row: (values best first, their ids)
+    for row_blocks, row_maxima, row_top in zip(blocks, maxima, top, strict=True):
+        # The least of the k maxima; NaN if one is (argpartition ranks NaN above every number, so a NaN block is
+        # always among the k, and min propagates it).
+        threshold = row_maxima[row_top].min()
+        cells = row_blocks[row_top]  # (k, B) a copy
+        flat = np.flatnonzero(cells >= threshold) if threshold > -np.inf else None  # (m,) m >= k, ascending
+        if flat is None or flat.size > _ROW_CANDIDATES:
+            # NaN (no threshold orders it), -inf (every cell of its -inf blocks would pass) or equal values by the
+            # thousand (sorting them would cost more than the columns)
+            out.append(None)
+            continue
+        values = cells.ravel()[flat]  # (m,)
+        best = np.argsort(-values, kind="stable")[:k]  # (k,) best first, equal values in place
+        flat = flat[best]
+        out.append((values[best].tolist(), (row_top[flat // block] * block + flat % block).tolist()))
+    return out
 
 
 def argmax(x: torch.Tensor, block: int = _ARGMAX_BLOCK) -> int:
