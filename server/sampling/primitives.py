@@ -101,7 +101,7 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int
     route alone (`_topk_rows_by_columns`), as it would alone, so one such row leaves the others' lists as they are."""
     rows, n = x.shape
     if not (k <= _ROW_BLOCK_TOP_K and n % _ROW_BLOCK == 0 and n // _ROW_BLOCK >= 2 * k and x.is_contiguous()
-            and x.dtype == torch.float32 and x.device.type == "cpu"):
+            and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad):  # numpy views of x
         return _topk_rows_by_columns(x, k)
     values, ids = [], []
     for r, found in enumerate(_topk_rows_by_blocks(x, k)):
@@ -155,9 +155,9 @@ def _topk_rows_by_blocks(x: torch.Tensor, k: int) -> list[tuple[list[float], lis
         # The least of the k maxima; NaN if one is (argpartition ranks NaN above every number, so a NaN block is
         # always among the k, and min propagates it).
         threshold = row_maxima[row_top].min()
-        cells = row_blocks[row_top]  # (k, B) a copy
-        flat = np.flatnonzero(cells >= threshold) if threshold > -np.inf else None  # (m,) m >= k, ascending
-        if flat is None or flat.size > _ROW_CANDIDATES:
+        cells = row_blocks[row_top] if threshold > -np.inf else None  # (k, B) a copy
+        flat = None if cells is None else np.flatnonzero(cells >= threshold)  # (m,) m >= k, ascending
+        if cells is None or flat is None or flat.size > _ROW_CANDIDATES:
             # NaN (no threshold orders it), -inf (every cell of its -inf blocks would pass) or equal values by the
             # thousand (sorting them would cost more than the columns)
             out.append(None)
