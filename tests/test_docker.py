@@ -102,6 +102,7 @@ def test_port_volume_and_environment(dockerfile: list[Instruction]) -> None:
     assert env["PORT"] == "8080"
     assert env["ARTIFACTS_DIR"] == "/data"
     assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["MALLOC_ARENA_MAX"] == "2", "the soak's heap creep halves with two arenas (docs/operations.md)"
 
 
 def test_healthcheck_probes_health_with_a_start_period_for_the_first_load(dockerfile: list[Instruction]) -> None:
